@@ -1,0 +1,16 @@
+"""Hydra search-path plugin: makes respo_verl's config groups visible to every Hydra app, verl's main_ppo included.
+
+With it, ``python -m verl.trainer.main_ppo +algorithm=respo ...`` finds ``algorithm/respo.yaml``. Hydra discovers
+this module by scanning the ``hydra_plugins`` namespace package; it must not import verl.
+"""
+
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+CONFIG_PROVIDER = "respo-verl"
+CONFIG_PATH = "pkg://respo_verl.verl.conf"
+
+
+class RespoVerlSearchPathPlugin(SearchPathPlugin):
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        search_path.append(provider=CONFIG_PROVIDER, path=CONFIG_PATH)

@@ -1,0 +1,127 @@
+"""Hyperparameters of the sequence-level kernels, each with its single home here.
+
+The YAML presets shipped in ``respo_verl/verl/config`` repeat these defaults so that they show up under
+``--cfg job``; a test keeps the two in step. Validation happens at construction, so a bad value fails when the
+config is built (in verl: in the driver's ``validate_config`` and again in every worker), naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+# Both papers clamp the sequence log-weight to ±20 so that exp() stays finite in fp32 (e^20 ≈ 4.9e8).
+DEFAULT_LOG_W_CLIP = 20.0
+
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+
+
+def _check_number(owner: str, key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{owner}.{key} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}.{key} must be finite, got {value}")
+    return value
+
+
+def _check_rollout_is_level(owner: str, value: object) -> str:
+    # verl broadcasts a sequence-level rollout IS weight to every token; summing its log over tokens would count it
+    # |o| times, so the loss has to know which kind it receives.
+    if value is None:
+        return "token"
+    if value not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"{owner}.rollout_is_level must be one of {ROLLOUT_IS_LEVELS} (or null), got {value!r}")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class KernelBranch:
+    """One branch φ(W; α, β, λ) of the ReSPO kernel family (SPEC §2.1)."""
+
+    alpha: float
+    beta: float
+    lam: float
+
+
+@dataclass
+class ReSPOConfig:
+    """ReSPO kernel hyperparameters (arXiv 2609.35433, published defaults).
+
+    The positive branch (A ≥ 0) defaults to α=2, β=0.5, λ=2, i.e. φ+(W) = ((1+W)/2)·exp(1−W); the negative branch
+    (A < 0) to α=1, β=0.5, λ=2, i.e. φ−(W) = √W·exp(2(1−√W)).
+
+    Attributes:
+        alpha_pos, beta_pos, lambda_pos: positive-branch α ≥ 1, β ∈ (0, 1], λ ≥ 0.
+        alpha_neg, beta_neg, lambda_neg: negative-branch α ≥ 1, β ∈ (0, 1], λ ≥ 0.
+        log_w_clip: C > 0; the sequence log-weight is clamped to [−C, C].
+        rollout_is_level: how to fold verl's ``rollout_is_weights`` into log W: ``token`` (per-token weights, their
+            logs are summed) or ``sequence`` (one weight broadcast over the tokens, taken once). null means token.
+    """
+
+    alpha_pos: float = 2.0
+    beta_pos: float = 0.5
+    lambda_pos: float = 2.0
+    alpha_neg: float = 1.0
+    beta_neg: float = 0.5
+    lambda_neg: float = 2.0
+    log_w_clip: float = DEFAULT_LOG_W_CLIP
+    rollout_is_level: str | None = "token"
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for f in fields(self):
+            if f.name == "rollout_is_level":
+                object.__setattr__(self, f.name, _check_rollout_is_level(owner, self.rollout_is_level))
+                continue
+            object.__setattr__(self, f.name, _check_number(owner, f.name, getattr(self, f.name)))
+        for side in ("pos", "neg"):
+            alpha, beta, lam = (getattr(self, f"{p}_{side}") for p in ("alpha", "beta", "lambda"))
+            if alpha < 1.0:
+                raise ValueError(f"{owner}.alpha_{side} must be >= 1, got {alpha}")
+            if not 0.0 < beta <= 1.0:
+                raise ValueError(f"{owner}.beta_{side} must be in (0, 1], got {beta}")
+            if lam < 0.0:
+                raise ValueError(f"{owner}.lambda_{side} must be >= 0, got {lam}")
+        if self.log_w_clip <= 0.0:
+            raise ValueError(f"{owner}.log_w_clip must be > 0, got {self.log_w_clip}")
+
+    @property
+    def positive(self) -> KernelBranch:
+        return KernelBranch(self.alpha_pos, self.beta_pos, self.lambda_pos)
+
+    @property
+    def negative(self) -> KernelBranch:
+        return KernelBranch(self.alpha_neg, self.beta_neg, self.lambda_neg)
+
+
+@dataclass
+class VESPOConfig:
+    """VESPO kernel hyperparameters (arXiv 2602.10693): φ(W) = W^k · exp(λ(1 − W)) per branch.
+
+    Attributes:
+        k_pos, lambda_pos: positive-branch (A ≥ 0) exponent k ≥ 0 and tilt λ ≥ 0.
+        k_neg, lambda_neg: negative-branch exponent and tilt.
+        log_w_clip: C > 0; each token log-ratio and then the sequence sum are clamped to [−C, C], as VESPO does.
+        rollout_is_level: as in :class:`ReSPOConfig`.
+    """
+
+    k_pos: float = 2.0
+    lambda_pos: float = 3.0
+    k_neg: float = 3.0
+    lambda_neg: float = 2.0
+    log_w_clip: float = DEFAULT_LOG_W_CLIP
+    rollout_is_level: str | None = "token"
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for f in fields(self):
+            if f.name == "rollout_is_level":
+                object.__setattr__(self, f.name, _check_rollout_is_level(owner, self.rollout_is_level))
+                continue
+            value = _check_number(owner, f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+            if f.name != "log_w_clip" and value < 0.0:
+                raise ValueError(f"{owner}.{f.name} must be >= 0, got {value}")
+        if self.log_w_clip <= 0.0:
+            raise ValueError(f"{owner}.log_w_clip must be > 0, got {self.log_w_clip}")

@@ -1,0 +1,50 @@
+"""verl config class that carries the kernel hyperparameters.
+
+verl has no free-form hyperparameter dict on the policy loss, so the presets point
+``actor_rollout_ref.actor.policy_loss._target_`` at :class:`ReSPOPolicyLossConfig`. Hydra instantiates it in the
+driver (inside ``validate_config``) and in every worker; the loss then reads ``config.policy_loss.respo`` or
+``config.policy_loss.vespo``. Defaults and validation live in :mod:`respo_verl.core.config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl.workers.config import PolicyLossConfig
+
+from respo_verl.core.config import ReSPOConfig, VESPOConfig
+
+
+def _as_kernel_config(value: Any, cls: type, key: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        return cls(**{k: v for k, v in value.items() if k != "_target_"})
+    raise TypeError(f"policy_loss.{key} must be a mapping of {cls.__name__} fields, got {type(value).__name__}")
+
+
+@dataclass
+class ReSPOPolicyLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus the ReSPO and VESPO kernel hyperparameters.
+
+    Building it also registers the ``respo``/``vespo`` losses (importing this module imports the plugin) and checks
+    that ``loss_mode`` names a registered loss, so a misspelt or missing loss fails when the config is built, in the
+    driver, before Ray starts.
+
+    Args:
+        respo: :class:`respo_verl.core.config.ReSPOConfig` (``policy_loss.respo.*`` on the command line).
+        vespo: :class:`respo_verl.core.config.VESPOConfig` (``policy_loss.vespo.*``).
+    """
+
+    respo: ReSPOConfig = field(default_factory=ReSPOConfig)
+    vespo: VESPOConfig = field(default_factory=VESPOConfig)
+
+    def __post_init__(self) -> None:
+        # BaseConfig freezes assigned fields; normalising a mapping into the dataclass is part of construction.
+        object.__setattr__(self, "respo", _as_kernel_config(self.respo, ReSPOConfig, "respo"))
+        object.__setattr__(self, "vespo", _as_kernel_config(self.vespo, VESPOConfig, "vespo"))
+        from respo_verl.verl.plugin import require_policy_loss
+
+        require_policy_loss(self.loss_mode)

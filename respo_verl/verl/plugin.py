@@ -1,0 +1,42 @@
+"""Registers the ``respo``/``vespo`` policy losses and the ``respo`` advantage estimator in verl.
+
+Loaded three ways, so that every process of a run has the registrations:
+
+- the ``verl.plugins`` entry point (``import verl`` loads it in the driver, the TaskRunner and every worker);
+- ``VERL_USE_EXTERNAL_MODULES=respo_verl.verl.plugin``, which the algorithm presets put into Ray's runtime env:
+  verl imports it on ``import verl`` in every Ray process and raises if it cannot, so a node without this package
+  stops the run at start-up rather than at the first update;
+- importing :mod:`respo_verl.verl.config` (the ``_target_`` of the presets' ``policy_loss``).
+
+verl swallows entry-point failures at DEBUG level; :func:`require_policy_loss` is the loud check.
+"""
+
+from __future__ import annotations
+
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
+
+from respo_verl.verl import advantage as _advantage  # noqa: F401  (registers "respo" estimator)
+from respo_verl.verl import losses as _losses  # noqa: F401  (registers "respo", "vespo" losses)
+
+POLICY_LOSSES = ("respo", "vespo")
+ADVANTAGE_ESTIMATORS = ("respo",)
+INSTALL_HINT = (
+    "install respo-verl in the Python environment of every node that runs verl (pip install respo-verl), "
+    "or select a loss that verl ships"
+)
+
+
+def require_policy_loss(loss_mode: str) -> None:
+    """Raise unless ``loss_mode`` is registered in verl's policy-loss registry."""
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise ValueError(
+            f"policy_loss.loss_mode={loss_mode!r} is not registered in verl "
+            f"(registered: {sorted(POLICY_LOSS_REGISTRY)}); {INSTALL_HINT}"
+        )
+
+
+def registered() -> dict[str, bool]:
+    """Which of our names are visible in verl's registries in this process."""
+    status = {f"policy_loss/{name}": name in POLICY_LOSS_REGISTRY for name in POLICY_LOSSES}
+    status.update({f"adv_estimator/{name}": name in ADV_ESTIMATOR_REGISTRY for name in ADVANTAGE_ESTIMATORS})
+    return status
