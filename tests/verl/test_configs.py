@@ -1,0 +1,154 @@
+"""Every shipped Hydra config composes with both entry points, passes verl's validate_config, and converts to
+verl's dataclasses; YAML defaults equal the dataclass defaults; invalid hyperparameters fail naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CPU_COMPOSE_OVERRIDES, actor_config, compose
+from omegaconf import OmegaConf
+from verl.trainer.config import AlgoConfig
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import omega_conf_to_dataclass, validate_config
+from verl.workers.config import FSDPActorConfig, McoreActorConfig
+
+from respo_verl.core.config import ReSPOConfig, VESPOConfig
+from respo_verl.verl.config import ReSPOPolicyLossConfig
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "respo_verl" / "verl" / "conf"
+ALGORITHMS = sorted(p.stem for p in (CONF_DIR / "algorithm").glob("*.yaml"))
+EXPECTED = {
+    # algorithm: (loss_mode, loss_agg_mode, adv_estimator, clip_ratio_low, clip_ratio_high)
+    "respo": ("respo", "token-mean", "respo", None, None),
+    "vespo": ("vespo", "token-mean", "respo", None, None),
+    "grpo": ("vanilla", "token-mean", "grpo", 0.2, 0.2),
+    "gspo": ("gspo", "seq-mean-token-mean", "grpo", 3e-4, 4e-4),
+}
+ACTOR_CLASS = {"dp": FSDPActorConfig, "megatron": McoreActorConfig}
+
+
+def test_every_preset_is_covered():
+    assert ALGORITHMS == sorted(EXPECTED)
+
+
+def _compose(entry: str, algorithm: str, model_engine: str, extra: tuple[str, ...] = ()):
+    choice = f"algorithm={algorithm}" if entry == "respo" else f"+algorithm={algorithm}"
+    return compose([choice, f"model_engine={model_engine}", *CPU_COMPOSE_OVERRIDES, *extra], entry=entry)
+
+
+@pytest.mark.parametrize("entry", ["respo", "verl"])
+@pytest.mark.parametrize("algorithm", sorted(EXPECTED))
+def test_preset_composes_validates_and_converts(entry, algorithm, model_engine):
+    cfg = _compose(entry, algorithm, model_engine)
+    loss_mode, agg, estimator, clip_low, clip_high = EXPECTED[algorithm]
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.policy_loss.loss_mode == loss_mode
+    assert actor.loss_agg_mode == agg
+    assert cfg.algorithm.adv_estimator == estimator
+    assert actor.use_kl_loss is False and cfg.algorithm.use_kl_in_reward is False
+    assert actor.entropy_coeff == 0 and actor.ppo_epochs == 1
+    if clip_low is not None:
+        assert (actor.clip_ratio_low, actor.clip_ratio_high) == (clip_low, clip_high)
+    # verl's own rollout-correction group survives our algorithm group.
+    assert "rollout_correction" in cfg.algorithm
+
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    actor_dc = omega_conf_to_dataclass(actor)
+    assert type(actor_dc) is ACTOR_CLASS[model_engine]
+    assert isinstance(omega_conf_to_dataclass(cfg.algorithm), AlgoConfig)
+    if algorithm in ("respo", "vespo"):
+        assert type(actor_dc.policy_loss) is ReSPOPolicyLossConfig
+        assert actor_dc.policy_loss.respo == ReSPOConfig() and actor_dc.policy_loss.vespo == VESPOConfig()
+        env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
+        assert env.VERL_USE_EXTERNAL_MODULES == "respo_verl.verl.plugin"
+
+
+def test_entry_points_compose_the_same_job():
+    for algorithm in EXPECTED:
+        ours = OmegaConf.to_container(_compose("respo", algorithm, "megatron"), resolve=True)
+        theirs = OmegaConf.to_container(_compose("verl", algorithm, "megatron"), resolve=True)
+        assert ours == theirs, algorithm
+
+
+def test_our_entry_point_defaults_to_respo():
+    cfg = compose(CPU_COMPOSE_OVERRIDES)
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "respo"
+
+
+@pytest.mark.parametrize("algorithm, cls", [("respo", ReSPOConfig), ("vespo", VESPOConfig)])
+def test_yaml_defaults_equal_dataclass_defaults(algorithm, cls):
+    node = OmegaConf.load(CONF_DIR / "algorithm" / f"{algorithm}.yaml").actor_rollout_ref.actor.policy_loss
+    yaml_values = {k: v for k, v in OmegaConf.to_container(node[algorithm]).items() if k != "_target_"}
+    yaml_values.pop("rollout_is_level")  # an interpolation, checked below
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "rollout_is_level"}
+    assert yaml_values == defaults
+    assert node[algorithm]["_target_"] == f"{cls.__module__}.{cls.__name__}"
+
+
+@pytest.mark.parametrize("algorithm", ["respo", "vespo"])
+def test_kernel_hyperparameters_are_settable_from_the_command_line(algorithm, model_engine):
+    keys = {
+        "respo": {"alpha_pos": 3.0, "beta_pos": 0.25, "lambda_pos": 1.5, "alpha_neg": 1.5, "beta_neg": 0.75,
+                  "lambda_neg": 0.5, "log_w_clip": 15.0},
+        "vespo": {"k_pos": 1.0, "lambda_pos": 2.5, "k_neg": 2.0, "lambda_neg": 1.0, "log_w_clip": 10.0},
+    }[algorithm]  # fmt: skip
+    prefix = f"actor_rollout_ref.actor.policy_loss.{algorithm}"
+    actor = actor_config(model_engine, algorithm, tuple(f"{prefix}.{k}={v}" for k, v in keys.items()))
+    kernel = getattr(actor.policy_loss, algorithm)
+    assert {k: getattr(kernel, k) for k in keys} == keys
+
+
+def test_rollout_is_level_follows_verls_rollout_correction():
+    assert actor_config("dp", "respo").policy_loss.respo.rollout_is_level == "token"
+    seq = actor_config("dp", "respo", ("algorithm.rollout_correction.rollout_is=sequence",))
+    assert seq.policy_loss.respo.rollout_is_level == "sequence"
+    tok = actor_config("megatron", "vespo", ("algorithm.rollout_correction.rollout_is=token",))
+    assert tok.policy_loss.vespo.rollout_is_level == "token"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("respo.alpha_pos=0.5", "ReSPOConfig.alpha_pos must be >= 1"),
+        ("respo.beta_neg=0", r"ReSPOConfig.beta_neg must be in \(0, 1\]"),
+        ("respo.lambda_pos=-1", "ReSPOConfig.lambda_pos must be >= 0"),
+        ("respo.log_w_clip=0", "ReSPOConfig.log_w_clip must be > 0"),
+    ],
+)
+def test_invalid_hyperparameters_fail_in_validate_config(override, message):
+    cfg = _compose("verl", "respo", "megatron", (f"actor_rollout_ref.actor.policy_loss.{override}",))
+    with pytest.raises(Exception) as info:
+        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert info.match(message)
+
+
+def test_unknown_loss_mode_fails_in_validate_config():
+    cfg = _compose("verl", "respo", "dp", ("actor_rollout_ref.actor.policy_loss.loss_mode=respoo",))
+    with pytest.raises(Exception) as info:
+        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert info.match("'respoo' is not registered in verl") and info.match("pip install respo-verl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "respo_verl.main_ppo", "algorithm=respo", "model_engine=megatron"],
+        ["-m", "verl.trainer.main_ppo", "+algorithm=respo", "model_engine=megatron"],
+    ],
+    ids=["ours", "verl"],
+)
+def test_command_lines_print_a_composed_job(argv):
+    out = subprocess.run(
+        [sys.executable, *argv, "actor_rollout_ref.rollout.name=vllm", "--cfg", "job"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = OmegaConf.create(out.stdout)
+    assert job.actor_rollout_ref.actor.policy_loss.loss_mode == "respo"
+    assert job.actor_rollout_ref.actor.strategy == "megatron"
+    assert "      loss_mode: respo\n" in out.stdout

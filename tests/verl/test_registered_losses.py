@@ -1,0 +1,149 @@
+"""The registered `respo` / `vespo` losses as verl calls them: metrics, bad input, edge cases, host syncs."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import pytest
+import torch
+from conftest import actor_config
+from torch.utils._python_dispatch import TorchDispatchMode
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+from respo_verl.core import diagnostic_keys
+
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.fixture(scope="module")
+def configs():
+    return {(engine, algo): actor_config(engine, algo) for engine in ("dp", "megatron") for algo in ("respo", "vespo")}
+
+
+def batch(seed=0, size=8, length=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(size, length, generator=g, dtype=dtype) * 2
+    log_prob = (old + 0.2 * torch.randn(size, length, generator=g, dtype=dtype)).requires_grad_(True)
+    lengths = torch.randint(1, length + 1, (size,), generator=g)
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    adv = torch.randn(size, 1, generator=g, dtype=dtype).expand(size, length) * mask
+    return {"old_log_prob": old, "log_prob": log_prob, "advantages": adv, "response_mask": mask}
+
+
+def call(name, cfg, data, agg="token-mean", **extra):
+    return get_policy_loss_fn(name)(loss_agg_mode=agg, config=cfg, rollout_is_weights=None, **data, **extra)
+
+
+@pytest.mark.parametrize("engine", ["dp", "megatron"])
+@pytest.mark.parametrize("name", ["respo", "vespo"])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_every_agg_mode_gives_a_finite_loss_and_the_same_metric_keys(configs, engine, name, agg):
+    expected = {f"actor/{name}/{k}" for k in diagnostic_keys()}
+    for seed in range(3):
+        loss, metrics = call(name, configs[engine, name], batch(seed), agg)
+        assert torch.isfinite(loss) and loss.dim() == 0
+        assert set(metrics) == expected
+        assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", ["respo", "vespo"])
+@pytest.mark.parametrize("field", ["log_prob", "old_log_prob", "advantages"])
+def test_non_finite_input_stops_with_the_tensor_and_count(configs, name, field):
+    data = batch()
+    bad = data[field].detach().clone()
+    bad[0, 0], bad[1, 0] = math.nan, math.inf
+    data[field] = bad
+    with pytest.raises(FloatingPointError, match=rf"{field}: 2 of \d+ valid tokens"):
+        call(name, configs["dp", name], data)
+
+
+def test_shape_mismatch_raises(configs):
+    data = batch()
+    data["advantages"] = data["advantages"][:, :-1]
+    with pytest.raises(ValueError, match="advantages has shape"):
+        call("respo", configs["megatron", "respo"], data)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(configs, dtype):
+    data = batch(dtype=dtype)
+    loss, _ = call("respo", configs["dp", "respo"], data)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    loss.backward()
+    assert data["log_prob"].grad.dtype == dtype
+
+
+@pytest.mark.parametrize("name", ["respo", "vespo"])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_degenerate_micro_batches_give_finite_loss_and_metrics(configs, name, agg):
+    cfg = configs["dp", name]
+    data = batch()
+    data["response_mask"] = data["response_mask"].clone()
+    data["response_mask"][2:5] = False  # zero-length responses among normal ones
+    cases = {
+        "zero_length_rows": data,
+        "fully_masked": {**batch(), "response_mask": torch.zeros(8, 16, dtype=torch.bool)},
+        "zero_advantages": {**batch(), "advantages": torch.zeros(8, 16)},
+    }
+    for case, d in cases.items():
+        loss, metrics = call(name, cfg, d, agg)
+        loss.backward()
+        assert torch.isfinite(loss), case
+        assert torch.isfinite(d["log_prob"].grad).all(), case
+        assert all(math.isfinite(v) for v in metrics.values()), case
+        if case != "zero_length_rows":
+            assert loss.item() == 0.0, case
+
+
+def test_missing_kernel_config_names_the_fix():
+    from verl.workers.config import PolicyLossConfig
+
+    cfg = actor_config("dp", "grpo")
+    assert type(cfg.policy_loss) is PolicyLossConfig
+    with pytest.raises(TypeError, match=r"policy_loss._target_=respo_verl.verl.config.ReSPOPolicyLossConfig"):
+        call("respo", cfg, batch())
+
+
+class _SyncCounter(TorchDispatchMode):
+    """Counts aten ops that force a device-to-host synchronisation (data-dependent shapes or scalar reads)."""
+
+    SYNCING: ClassVar[set[str]] = {
+        "_local_scalar_dense",
+        "nonzero",
+        "masked_select",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SYNCING:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["respo", "vespo"])
+def test_one_host_synchronisation_per_call(configs, name, monkeypatch):
+    cfg = configs["megatron", name]
+    cfg.global_batch_info.update(dp_size=1, batch_num_tokens=64, global_batch_size=8, loss_scale_factor=None)
+    try:
+        tolist_calls = []
+        original = torch.Tensor.tolist
+
+        def counting_tolist(self):
+            tolist_calls.append(tuple(self.shape))
+            return original(self)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+        with _SyncCounter() as counter:
+            call(name, cfg, batch())
+        assert counter.ops == []
+        assert len(tolist_calls) == 1
+    finally:
+        cfg.global_batch_info.clear()
