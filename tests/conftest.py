@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 # Keys that verl's validate_config needs without a GPU cluster: a rollout backend name, and micro-batch sizes.
 CPU_COMPOSE_OVERRIDES = (
