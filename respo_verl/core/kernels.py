@@ -47,7 +47,7 @@ def sequence_log_weight(
         if token_log_ratio_clip is not None:
             delta_tok = delta_tok.clamp(-token_log_ratio_clip, token_log_ratio_clip)
         # torch.where rather than a product, so that padding holding inf/nan cannot leak into the sum.
-        log_w_seq = torch.where(mask, delta_tok, torch.zeros_like(delta_tok)).sum(dim=-1)  # (B,)
+        log_w_seq = torch.where(mask, delta_tok, 0.0).sum(dim=-1)  # (B,)
         if rollout_is_weights is not None:
             log_is_tok = torch.where(mask, rollout_is_weights.detach().to(log_w_seq.dtype), 1.0).log()  # (B, T)
             log_is_seq = log_is_tok.sum(dim=-1)  # (B,)

@@ -104,15 +104,15 @@ def kernel_loss_tok(
         (B, T) loss matrix in the dtype of ``log_prob``.
     """
     # where(), not a product: padded positions may hold anything (even nan) and must not reach the sum or gradient.
-    advantages = torch.where(response_mask, advantages.detach(), torch.zeros_like(advantages))  # (B, T)
+    advantages = torch.where(response_mask, advantages.detach(), 0.0)  # (B, T)
     coeff_tok = phi_seq.detach().unsqueeze(-1) * advantages  # (B, T)
-    return torch.where(response_mask, -coeff_tok * log_prob, torch.zeros_like(log_prob))
+    return torch.where(response_mask, -coeff_tok * log_prob, 0.0)
 
 
 def _sequence_advantage(advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) mean advantage over valid tokens (GRPO broadcasts one value, so this is that value) and (B,) counts."""
     n_tok_seq = mask.sum(dim=-1)  # (B,)
-    adv_sum_seq = torch.where(mask, advantages.detach(), torch.zeros_like(advantages)).sum(dim=-1)  # (B,)
+    adv_sum_seq = torch.where(mask, advantages.detach(), 0.0).sum(dim=-1)  # (B,)
     return adv_sum_seq / n_tok_seq.clamp(min=1), n_tok_seq
 
 
