@@ -29,7 +29,7 @@ def _as_kernel_config(value: Any, cls: type, key: str) -> Any:
 class ReSPOPolicyLossConfig(PolicyLossConfig):
     """verl's ``PolicyLossConfig`` plus the ReSPO and VESPO kernel hyperparameters.
 
-    Building it also registers the ``respo``/``vespo`` losses (importing this module imports the plugin) and checks
+    Building it also registers the ``respo``/``vespo`` losses (``__post_init__`` imports the plugin) and checks
     that ``loss_mode`` names a registered loss, so a misspelt or missing loss fails when the config is built, in the
     driver, before Ray starts.
 

@@ -6,7 +6,7 @@ Loaded three ways, so that every process of a run has the registrations:
 - ``VERL_USE_EXTERNAL_MODULES=respo_verl.verl.plugin``, which the algorithm presets put into Ray's runtime env:
   verl imports it on ``import verl`` in every Ray process and raises if it cannot, so a node without this package
   stops the run at start-up rather than at the first update;
-- importing :mod:`respo_verl.verl.config` (the ``_target_`` of the presets' ``policy_loss``).
+- building :class:`respo_verl.verl.config.ReSPOPolicyLossConfig` (the ``_target_`` of the presets' ``policy_loss``).
 
 verl swallows entry-point failures at DEBUG level; :func:`require_policy_loss` is the loud check.
 """

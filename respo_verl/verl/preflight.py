@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 
 import ray
@@ -26,8 +27,19 @@ def _probe() -> dict:
         return {"host": host, "registered": {}, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def _innermost_error(exc: BaseException) -> str:
+    """The last ``...Error: message`` line of a Ray error (its text nests the remote traceback), colours removed."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(exc).splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    return errors[-1] if errors else type(exc).__name__
+
+
 def check_ray_nodes(timeout_s: float = PREFLIGHT_TIMEOUT_S) -> list[dict]:
     """Run :func:`_probe` once on every alive Ray node; raise RuntimeError naming each node that fails.
+
+    A node fails when the probe reports missing registrations, when the probe itself cannot run there (a node
+    without respo_verl cannot even load this module, and Ray raises on ``get``), or when it does not answer within
+    ``timeout_s``.
 
     Returns:
         The probe result of every node.
@@ -38,13 +50,23 @@ def check_ray_nodes(timeout_s: float = PREFLIGHT_TIMEOUT_S) -> list[dict]:
         probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False)).remote()
         for n in nodes
     ]
-    results = ray.get(refs, timeout=timeout_s)
-    failures = []
-    for node, result in zip(nodes, results, strict=True):
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    results, failures = [], []
+    for node, ref in zip(nodes, refs, strict=True):
+        where = f"node {node.get('NodeManagerAddress')}"
+        try:
+            result = ray.get(ref, timeout=0)
+        except ray.exceptions.GetTimeoutError:
+            failures.append(f"{where}: no answer within {timeout_s:.0f} s")
+            continue
+        except ray.exceptions.RayError as exc:
+            failures.append(f"{where}: the probe could not run ({_innermost_error(exc)})")
+            continue
+        results.append(result)
         missing = [name for name, ok in result["registered"].items() if not ok]
         if result["error"] or missing:
             reason = result["error"] or f"not registered: {', '.join(missing)}"
-            failures.append(f"node {node.get('NodeManagerAddress')} ({result['host']}): {reason}")
+            failures.append(f"{where} ({result['host']}): {reason}")
     if failures:
         raise RuntimeError("respo-verl preflight failed on " + "; ".join(failures) + f". Fix: {INSTALL_HINT}.")
     return results
