@@ -52,3 +52,12 @@ def actor_config(model_engine: str = "dp", algorithm: str = "respo", overrides: 
 @pytest.fixture(params=["dp", "megatron"])
 def model_engine(request) -> str:
     return request.param
+
+
+# Property tests search a fixed sequence of examples, so that CI is reproducible; HYPOTHESIS_PROFILE=explore
+# searches afresh with more examples.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
+_hypothesis_settings.register_profile("explore", max_examples=2000, deadline=None)
+_hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -80,9 +80,14 @@ def respo_log_phi(log_w: torch.Tensor, branch: KernelBranch) -> torch.Tensor:
         log_phi0 = beta * log_w
     else:
         power = alpha - 1.0
+        scaled = power * log_w  # (...) (α−1)·log W
         # log(1−β) is −inf for β = 1, which logaddexp handles exactly (φ0 = W).
         log_one_minus_beta = math.log1p(-beta) if beta < 1.0 else -math.inf
-        log_phi0 = torch.logaddexp(torch.full_like(log_w, log_one_minus_beta), math.log(beta) + power * log_w) / power
+        general = torch.logaddexp(torch.full_like(log_w, log_one_minus_beta), math.log(beta) + scaled) / power
+        # For α → 1 the division by α−1 amplifies rounding in logaddexp; log1p(β·expm1(x))/(α−1) is the same
+        # quantity, exact to rounding near the geometric limit, and well conditioned while |(α−1)·log W| < 1.
+        near_geometric = torch.log1p(beta * torch.expm1(scaled.clamp(-1.0, 1.0))) / power
+        log_phi0 = torch.where(scaled.abs() < 1.0, near_geometric, general)
     return log_phi0 + lam * (1.0 - log_phi0.exp())
 
 

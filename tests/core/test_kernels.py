@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from respo_verl.core.config import KernelBranch, ReSPOConfig, VESPOConfig
@@ -94,6 +94,7 @@ def test_default_branches_are_bounded_by_e_over_two(branch):
 
 @settings(max_examples=100, deadline=None)
 @given(alpha=st.floats(1.0, 3.0), beta=st.floats(0.1, 1.0), lam=st.floats(1.0, 4.0))
+@example(alpha=1.0000000000000002, beta=0.25, lam=1.0)  # α−1 at machine epsilon: the near-geometric form
 def test_supremum_where_peak_is_reachable(alpha, beta, lam):
     # The peak of φ0·exp(λ(1−φ0)) sits at φ0 = 1/λ; with λ ≥ 1 it is reached for some W ≤ 1 whenever the floor
     # of φ0 lies below 1/λ.
@@ -115,8 +116,11 @@ def test_beta_one_power_mean_is_the_identity_before_the_tilt():
 
 def test_alpha_close_to_one_approaches_the_geometric_limit():
     w = torch.logspace(-6, 2, 50, dtype=torch.float64)
-    near = phi(w, KernelBranch(1.0 + 1e-7, 0.5, 2.0))
-    torch.testing.assert_close(near, phi(w, KernelBranch(1.0, 0.5, 2.0)), rtol=1e-5, atol=1e-12)
+    # First order in ε = α−1: Δlog φ0 = ε·β(1−β)(log W)²/2 and Δlog φ = Δlog φ0·(1 − λφ0); on W ∈ [1e-6, 100] with
+    # β = 0.5, λ = 2 that is at most about 50ε. Rounding must not add to it, down to ε at machine epsilon.
+    for eps in (1e-7, 1e-12, 2.0**-52):
+        near = phi(w, KernelBranch(1.0 + eps, 0.5, 2.0))
+        torch.testing.assert_close(near, phi(w, KernelBranch(1.0, 0.5, 2.0)), rtol=max(60 * eps, 1e-13), atol=0)
 
 
 def test_vespo_reference_values_and_peaks():
