@@ -39,17 +39,14 @@ def masked_quantiles(values: torch.Tensor, member: torch.Tensor, qs: tuple[float
         (len(qs),) quantiles, 0 where ``member`` is empty. Matches ``torch.quantile`` on the selected values.
     """
     n = member.sum()  # ()
-    sorted_vals = torch.where(member, values, torch.full_like(values, torch.inf)).sort().values  # (B,)
-    q = torch.tensor(qs, dtype=values.dtype, device=values.device)  # (Q,)
-    pos = q * (n - 1).clamp(min=0).to(values.dtype)  # (Q,)
-    lo = pos.floor().long()  # (Q,)
-    hi = pos.ceil().long()  # (Q,)
-    frac = pos - lo.to(values.dtype)  # (Q,)
+    sorted_vals = torch.where(member, values, torch.inf).sort().values  # (B,)
+    last = (n - 1).clamp(min=0).to(values.dtype)  # ()
+    pos = torch.stack([last * q for q in qs])  # (Q,) built from Python floats: no host-to-device copy
+    lo, hi = pos.floor().long(), pos.ceil().long()  # (Q,), (Q,)  1-D indices: a 0-dim one would sync
     lo_val, hi_val = sorted_vals[lo], sorted_vals[hi]  # (Q,), (Q,)
-    out = lo_val + frac * (hi_val - lo_val)
-    # When lo == hi the interpolation above would compute inf - inf for an empty set; guard explicitly.
-    out = torch.where(lo == hi, lo_val, out)
-    return torch.where(n > 0, out, torch.zeros_like(out))
+    # lo == hi (an integral position, or an empty set whose values are inf): no interpolation, no inf − inf.
+    quantiles = torch.where(lo == hi, lo_val, lo_val + (pos - lo.to(values.dtype)) * (hi_val - lo_val))  # (Q,)
+    return torch.where(n > 0, quantiles, 0.0)
 
 
 def _branch_stats(terms: KernelTerms, member: torch.Tensor, n_valid: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,41 @@
+"""``respo-verl`` console script: one subcommand per capability, each implemented in its own package.
+
+Subcommands are imported lazily, so ``respo-verl --help`` stays fast and a subcommand's heavy imports (verl, torch,
+transformers) happen only when it runs. A subcommand module exposes ``main(argv: list[str]) -> int``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with main(argv), one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("respo_verl.planner.cli", "check a cluster layout preset and estimate per-GPU memory"),
+    "mini": ("respo_verl.mini.cli", "the paper's experiment in miniature on CPU (tiny Qwen3, rollout reuse)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: respo-verl <command> [options]", "", "commands:"]
+    width = max((len(name) for name in SUBCOMMANDS), default=0)
+    lines += [f"  {name.ljust(width)}  {summary}" for name, (_, summary) in sorted(SUBCOMMANDS.items())]
+    lines.append("\n`respo-verl <command> --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"respo-verl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
