@@ -13,6 +13,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("respo_verl.planner.cli", "check a cluster layout preset and estimate per-GPU memory"),
     "mini": ("respo_verl.mini.cli", "the paper's experiment in miniature on CPU (tiny Qwen3, rollout reuse)"),
+    "sweep": ("respo_verl.sweep.cli", "expand the ReSPO/VESPO/GRPO/GSPO x N x seed grid into verl runs"),
+    "report": ("respo_verl.report.cli", "late score, deltas to VESPO and plots from verl file-logger logs"),
 }
 
 

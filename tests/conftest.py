@@ -28,17 +28,9 @@ CPU_COMPOSE_OVERRIDES = (
 
 def compose(overrides: list[str] | tuple[str, ...] = (), entry: str = "respo"):
     """Compose the job config of ``entry`` (``respo`` = our main_ppo, ``verl`` = verl's main_ppo)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from respo_verl.compose import compose_job
 
-    GlobalHydra.instance().clear()
-    module, name = {
-        "respo": ("respo_verl.verl.conf", "respo_trainer"),
-        "verl": ("verl.trainer.config", "ppo_trainer"),
-    }[entry]
-    with initialize_config_module(config_module=module, version_base=None):
-        return hydra_compose(config_name=name, overrides=list(overrides))
+    return compose_job(entry, overrides)
 
 
 def actor_config(model_engine: str = "dp", algorithm: str = "respo", overrides: tuple[str, ...] = ()):
