@@ -42,13 +42,11 @@ MIB = 2**20
 
 def actor_config(algorithm: str) -> Any:
     """verl's actor dataclass composed from ``respo_trainer`` with ``algorithm=<algorithm>``, as verl builds it."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
     from verl.utils.config import omega_conf_to_dataclass
 
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="respo_verl.verl.conf", version_base=None):
-        cfg = compose(config_name="respo_trainer", overrides=[f"algorithm={algorithm}", *COMPOSE_OVERRIDES])
+    from respo_verl.compose import compose_job
+
+    cfg = compose_job("respo", [f"algorithm={algorithm}", *COMPOSE_OVERRIDES])
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
