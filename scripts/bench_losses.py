@@ -81,9 +81,16 @@ def make_inputs(batch: int, length: int, dtype: torch.dtype, device: torch.devic
     )
 
 
-def run_once(loss_fn: Any, config: Any, inputs: Inputs) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
-    """One call as verl's ppo_loss makes it, then backward into a fresh leaf; returns (loss, metrics, leaf)."""
-    log_prob = inputs.log_prob.detach().requires_grad_(True)
+def run_once(
+    loss_fn: Any, config: Any, inputs: Inputs, log_prob: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
+    """One call as verl's ppo_loss makes it, then backward into ``log_prob`` (default: a fresh leaf).
+
+    Returns:
+        (loss, metrics, leaf).
+    """
+    if log_prob is None:
+        log_prob = inputs.log_prob.detach().requires_grad_(True)
     loss, metrics = loss_fn(
         old_log_prob=inputs.old_log_prob,
         log_prob=log_prob,
@@ -132,17 +139,8 @@ def peak_extra_bytes(loss_fn: Any, config: Any, inputs: Inputs, cuda: bool) -> i
 
     log_prob = inputs.log_prob.detach().requires_grad_(True)  # the leaf exists before the window, as inputs do
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss, _ = loss_fn(
-            old_log_prob=inputs.old_log_prob,
-            log_prob=log_prob,
-            advantages=inputs.advantages,
-            response_mask=inputs.response_mask,
-            loss_agg_mode=config.loss_agg_mode,
-            config=config,
-            rollout_is_weights=None,
-        )
-        loss.backward()
-        del loss
+        outputs = run_once(loss_fn, config, inputs, log_prob)
+        del outputs
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
