@@ -1,0 +1,1 @@
+"""megatron-core glue: the only package that imports megatron.core (routing-replay diagnostics, CPU helpers)."""

@@ -1,0 +1,208 @@
+"""Route-drift diagnostics and replay-input checks on megatron-core's routing-replay seam.
+
+While a replay is in force, every ``TopKRouter`` asks its ``router_replay`` object for the top-k:
+``router_replay.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)``. Both megatron-core's
+native :class:`megatron.core.transformer.moe.router_replay.RouterReplay` (``moe_enable_routing_replay``, core >= 0.16)
+and verl 0.9.1's own ``RouterReplay`` (``verl.utils.megatron.router_replay_patch.apply_router_replay_patch``) use
+this call with the same arguments and the same actions (RECORD / REPLAY_FORWARD / REPLAY_BACKWARD). The monitor
+wraps that method on the ``router_replay`` object of each router of the model it is given (an instance attribute,
+never the class, never a process-global list), so it works with whichever implementation built the model.
+
+On REPLAY_FORWARD the wrapper
+
+- checks the replay data: present, shape (tokens, topk) equal to the scores' token count, indices in
+  ``[0, num_experts)`` (an asynchronous device assert, no host sync); an error names the layer and the shapes;
+- computes the native top-k once more from the ``scores`` the router passes in (one extra top-k; the logits and
+  scores exist anyway) and accumulates :class:`respo_verl.routing.diagnostics.RouteDriftStats`; with verl's R3
+  ``replay_mask`` only the replayed tokens (those with rollout routes) are counted.
+
+REPLAY_BACKWARD (recompute of the same forward in the backward pass) is checked but not counted again.
+:meth:`RouteDriftMonitor.step` closes a step: replay data set but never consumed by a REPLAY_FORWARD is an error.
+Nothing is installed when the model has no ``router_replay`` objects (replay off): zero cost.
+
+Layer keys are ``router.layer_number - 1``: megatron's global 1-based layer number, so pipeline stages report the
+layers they hold under their global indices; ``any_layer_flip_frac`` covers the layers of one stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from torch import nn
+
+from respo_verl.routing.diagnostics import RouteDriftStats
+
+_WRAPPED_ATTR = "_respo_route_drift_monitor"
+_REPLAY_FORWARD, _REPLAY_BACKWARD = "REPLAY_FORWARD", "REPLAY_BACKWARD"
+
+
+def _action_name(router_replay) -> str | None:
+    action = getattr(router_replay, "router_replay_action", None)
+    return None if action is None else action.name  # megatron's and verl's enums share member names
+
+
+def find_replay_routers(model: nn.Module | Iterable[nn.Module]) -> dict[int, TopKRouter]:
+    """``TopKRouter`` modules of ``model`` (or of its virtual-pipeline chunks) that carry a ``router_replay`` object,
+    keyed by 0-based global layer index."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    routers: dict[int, TopKRouter] = {}
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if not isinstance(module, TopKRouter) or getattr(module, "router_replay", None) is None:
+                continue
+            if module.layer_number is None:
+                raise ValueError(f"router {name!r} has no layer_number; build the model through TransformerLayer")
+            layer = module.layer_number - 1
+            if layer in routers:
+                raise ValueError(f"two routers claim MoE layer {layer} (router {name!r})")
+            routers[layer] = module
+    return routers
+
+
+class RouteDriftMonitor:
+    """Route-drift diagnostics (and replay-input checks) for one megatron-core model.
+
+    Args:
+        model: a ``GPTModel`` (possibly wrapped: DDP, Float16Module) or the list of its virtual-pipeline chunks,
+            built with routing replay on (``moe_enable_routing_replay=True``, or verl's patch).
+
+    Raises:
+        ValueError: the model has no router with a ``router_replay`` object (routing replay is off).
+
+    Use :meth:`attach` to get the monitor installed on a model (idempotent), :meth:`remove` or a ``with`` block to
+    unhook it, :meth:`step` around one step's forwards, and :meth:`metrics` to read ``actor/routing/...`` scalars.
+    """
+
+    def __init__(self, model: nn.Module | Iterable[nn.Module]):
+        self.routers = find_replay_routers(model)
+        if not self.routers:
+            raise ValueError(
+                "no MoE router with routing replay in the model: build it with moe_enable_routing_replay=True "
+                "(megatron-core) or after verl's apply_router_replay_patch() with enable_routing_replay=True"
+            )
+        for layer, router in self.routers.items():
+            owner = getattr(router.router_replay, _WRAPPED_ATTR, None)
+            if owner is not None:
+                raise RuntimeError(f"MoE layer {layer} already has a RouteDriftMonitor; use RouteDriftMonitor.attach")
+        self.layers = tuple(sorted(self.routers))
+        self._stats = RouteDriftStats(self.layers)
+        self._consumed: dict[int, int] = {}  # layer -> id() of the last replay target consumed
+        for layer, router in self.routers.items():
+            replay = router.router_replay
+            replay.get_replay_topk = self._wrap(layer, router, replay.get_replay_topk)
+            setattr(replay, _WRAPPED_ATTR, self)
+
+    @classmethod
+    def attach(cls, model: nn.Module | Iterable[nn.Module]) -> RouteDriftMonitor:
+        """The monitor installed on ``model``'s routers, installing one if there is none."""
+        routers = find_replay_routers(model)
+        owners = {id(getattr(r.router_replay, _WRAPPED_ATTR, None)) for r in routers.values()}
+        if len(owners) == 1 and routers:
+            owner = getattr(next(iter(routers.values())).router_replay, _WRAPPED_ATTR, None)
+            if owner is not None:
+                return owner
+        return cls(model)
+
+    @property
+    def installed(self) -> bool:
+        return any(getattr(r.router_replay, _WRAPPED_ATTR, None) is self for r in self.routers.values())
+
+    def remove(self) -> None:
+        """Unhook every router (idempotent): the ``router_replay`` objects get their class method back."""
+        for router in self.routers.values():
+            replay = router.router_replay
+            if getattr(replay, _WRAPPED_ATTR, None) is self:
+                del replay.get_replay_topk
+                delattr(replay, _WRAPPED_ATTR)
+
+    def __enter__(self) -> RouteDriftMonitor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One step (e.g. verl's ``forward_backward_batch``): on a clean exit, replay data that some layer was given
+        but never consumed by a REPLAY_FORWARD raises, naming the layer and the data's shape."""
+        yield
+        unconsumed = []
+        for layer, router in self.routers.items():
+            target = getattr(router.router_replay, "target_topk_idx", None)
+            if target is not None and self._consumed.get(layer) != id(target):
+                unconsumed.append(f"layer {layer} {tuple(target.shape)}")
+        self._consumed = {}
+        self._stats.end_forward()
+        if unconsumed:
+            raise ValueError(
+                f"routing replay: replay data left unconsumed at the end of the step: {', '.join(unconsumed)}"
+            )
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Route drift since the last reset; the key set is fixed by the model's layers (one host sync)."""
+        return self._stats.metrics(reset=reset)
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _wrap(self, layer: int, router: TopKRouter, get_replay_topk):
+        replay = router.router_replay
+        num_experts = router.config.num_moe_experts
+        pre_softmax = router.config.moe_router_pre_softmax
+        softmax_scores = router.score_function == "softmax"
+
+        def checked_get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            action = _action_name(replay)
+            if action == _REPLAY_FORWARD:
+                target = replay.target_topk_idx
+                self._check(layer, target, scores, topk, num_experts, "REPLAY_FORWARD")
+            elif action == _REPLAY_BACKWARD:
+                pending = getattr(replay, "replay_backward_list", None)
+                if not pending:
+                    raise ValueError(
+                        f"routing replay: layer {layer}: REPLAY_BACKWARD (recompute) with no replay data left; "
+                        f"scores {tuple(scores.shape)}"
+                    )
+                self._check(layer, pending[0], scores, topk, num_experts, "REPLAY_BACKWARD")
+            probs, topk_idx = get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            if action == _REPLAY_FORWARD:
+                self._consumed[layer] = id(replay.target_topk_idx)
+                with torch.no_grad():
+                    _, native_topk_idx = default_compute_topk(
+                        scores, topk, num_groups=num_groups, group_topk=group_topk
+                    )
+                    full_probs = None
+                    if softmax_scores:
+                        # scores are probabilities with moe_router_pre_softmax, logits otherwise.
+                        full_probs = scores if pre_softmax else torch.softmax(scores, dim=-1, dtype=torch.float32)
+                    # verl's R3 replays only tokens with rollout routes (replay_mask); the rest route natively
+                    # and are not counted.
+                    replay_mask = getattr(replay, "target_replay_mask", None)
+                    token_mask = None if replay_mask is None else replay_mask.to(scores.device).reshape(-1).bool()
+                    self._stats.update(layer, topk_idx, native_topk_idx, full_probs, token_mask)
+            return probs, topk_idx
+
+        return checked_get_replay_topk
+
+    @staticmethod
+    def _check(layer: int, target, scores: torch.Tensor, topk: int, num_experts: int, action: str) -> None:
+        if target is None:
+            raise ValueError(
+                f"routing replay: layer {layer}: {action} but no replay data was set for this layer "
+                f"(scores {tuple(scores.shape)}, expected routes ({scores.shape[0]}, {topk}))"
+            )
+        if target.shape != (scores.shape[0], topk):
+            raise ValueError(
+                f"routing replay: layer {layer}: replay data of shape {tuple(target.shape)}, but the router routes "
+                f"{scores.shape[0]} tokens with topk={topk}: expected ({scores.shape[0]}, {topk})"
+            )
+        if target.is_floating_point():
+            raise ValueError(f"routing replay: layer {layer}: replay data must be integer, got {target.dtype}")
+        # Device-side assert: no host sync on the hot path; fails the step where the bad index is used.
+        torch._assert_async(
+            ((target >= 0) & (target < num_experts)).all(),
+            f"routing replay: layer {layer}: replay data of shape {tuple(target.shape)} holds an expert index "
+            f"outside [0, {num_experts})",
+        )

@@ -1,0 +1,163 @@
+"""Route-drift diagnostics: how far replayed MoE routes are from the routes the live router would choose.
+
+Torch only. Shared by the HF replay (:mod:`respo_verl.routing.hf`) and the Megatron hooks
+(:mod:`respo_verl.megatron.routing`), so both report the same ``actor/routing/...`` metrics.
+
+Per MoE layer ``l`` and token ``t``, with ``R`` the replayed expert set and ``N`` the native one (the live router's
+own top-k of its scores), both of size ``k``:
+
+- ``flip_frac/layer_l``: fraction of tokens with ``R != N`` (as sets; order within the top-k is ignored);
+- ``overlap/layer_l``: mean of ``|R ∩ N| / k``;
+- ``prob_mass_delta/layer_l``: mean of ``sum_{e in R} p_e - sum_{e in N} p_e`` with ``p`` the live router's full
+  softmax probabilities (before top-k normalisation); never positive, 0 when nothing flipped;
+- ``any_layer_flip_frac``: fraction of tokens with ``R != N`` in at least one layer of the same forward;
+- ``flip_frac``, ``overlap``, ``prob_mass_delta``: the same, averaged over all (layer, token) pairs;
+- ``replayed_tokens``: tokens counted (per forward, not per layer).
+
+Sums stay on the device until :meth:`RouteDriftStats.metrics`, which makes one host copy for all layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+METRIC_PREFIX = "actor/routing"
+PER_LAYER_METRICS = ("flip_frac", "overlap", "prob_mass_delta")
+# Sum slots kept per layer: tokens, flipped tokens, overlap / k, replayed-minus-native probability mass.
+_TOKENS, _FLIPPED, _OVERLAP, _MASS_DELTA = range(4)
+_NUM_SLOTS = 4
+
+
+def route_drift(
+    replayed_topk_idx: torch.Tensor, native_topk_idx: torch.Tensor, probs: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-token drift between two top-k expert selections of the same tokens.
+
+    Args:
+        replayed_topk_idx: (tokens, k) expert indices forced by the replay.
+        native_topk_idx: (tokens, k) expert indices the live router chose.
+        probs: (tokens, num_experts) live routing probabilities (softmax of the router logits), or None to skip
+            the probability mass.
+
+    Returns:
+        ``flipped_tok`` (tokens,) bool, expert sets differ; ``overlap_tok`` (tokens,) float, ``|R ∩ N| / k``;
+        ``mass_delta_tok`` (tokens,) float, replayed minus native probability mass (None without ``probs``).
+    """
+    k = replayed_topk_idx.shape[-1]
+    # k x k comparison instead of a (tokens, num_experts) mask: k = 8 against 128 experts for Qwen3-30B-A3B.
+    member = (replayed_topk_idx.unsqueeze(-1) == native_topk_idx.unsqueeze(-2)).any(dim=-1)  # (tokens, k)
+    hits = member.sum(dim=-1)  # (tokens,)
+    flipped_tok = hits < k  # (tokens,)  routes hold k distinct experts, so k hits means equal sets
+    overlap_tok = hits.to(torch.float32) / k  # (tokens,)
+    mass_delta_tok = None
+    if probs is not None:
+        probs = probs.to(torch.float32)
+        mass_delta_tok = probs.gather(-1, replayed_topk_idx).sum(-1) - probs.gather(-1, native_topk_idx).sum(-1)
+    return flipped_tok, overlap_tok, mass_delta_tok
+
+
+class RouteDriftStats:
+    """Accumulates route drift over forwards until :meth:`metrics` is read.
+
+    Args:
+        layers: the MoE layer indices of the model (keys of the per-layer metrics). The metric key set depends only
+            on these, so it is the same on every call, with NaN where nothing was replayed.
+    """
+
+    def __init__(self, layers: Iterable[int]):
+        self.layers = tuple(sorted(layers))
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        self._sums: torch.Tensor | None = None  # (layers, slots), lazily on the routes' device
+        self._any_flipped: torch.Tensor | None = None  # (2,) tokens, tokens flipped in any layer
+        self._forward_flipped_tok: torch.Tensor | None = None  # (tokens,) of the forward in progress
+        self._forward_weight_tok: torch.Tensor | None = None  # (tokens,)
+        self._forward_layers: set[int] = set()
+
+    def update(
+        self,
+        layer: int,
+        replayed_topk_idx: torch.Tensor,
+        native_topk_idx: torch.Tensor,
+        probs: torch.Tensor | None,
+        token_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Add one layer of one forward; see :func:`route_drift` for the arguments.
+
+        A layer seen again closes the forward in progress (:meth:`end_forward`): micro-batches that run one after
+        another are separate forwards for ``any_layer_flip_frac``.
+
+        Args:
+            token_mask: (tokens,) bool, tokens to count (e.g. not padding); None counts all.
+        """
+        if layer in self._forward_layers:
+            self.end_forward()
+        self._forward_layers.add(layer)
+        with torch.no_grad():
+            flipped_tok, overlap_tok, mass_delta_tok = route_drift(replayed_topk_idx, native_topk_idx, probs)
+            weight_tok = torch.ones_like(overlap_tok) if token_mask is None else token_mask.to(overlap_tok.dtype)
+            if mass_delta_tok is None:
+                mass_delta_tok = torch.full_like(overlap_tok, math.nan)
+            row = torch.stack(
+                [
+                    weight_tok.sum(),
+                    (flipped_tok * weight_tok).sum(),
+                    (overlap_tok * weight_tok).sum(),
+                    (mass_delta_tok * weight_tok).sum(),
+                ]
+            )  # (slots,)
+            if self._sums is None:
+                self._sums = torch.zeros(len(self.layers), _NUM_SLOTS, dtype=torch.float64, device=row.device)
+                self._any_flipped = torch.zeros(2, dtype=torch.float64, device=row.device)
+            self._sums[self._row[layer]] += row.to(torch.float64)
+            flipped_tok = flipped_tok & (weight_tok > 0)
+            if self._forward_flipped_tok is None:
+                self._forward_flipped_tok = flipped_tok
+                self._forward_weight_tok = weight_tok
+            elif self._forward_flipped_tok.shape != flipped_tok.shape:
+                raise ValueError(
+                    f"routing diagnostics: MoE layer {layer} routed {flipped_tok.shape[0]} tokens, but earlier "
+                    f"layers of the same forward routed {self._forward_flipped_tok.shape[0]}"
+                )
+            else:
+                self._forward_flipped_tok = self._forward_flipped_tok | flipped_tok
+
+    def end_forward(self) -> None:
+        """Close one forward: count its tokens that flipped in at least one layer."""
+        self._forward_layers = set()
+        if self._forward_flipped_tok is None:
+            return
+        with torch.no_grad():
+            self._any_flipped += torch.stack([self._forward_weight_tok.sum(), self._forward_flipped_tok.sum()]).to(
+                torch.float64
+            )
+        self._forward_flipped_tok = None
+
+    def reset(self) -> None:
+        self._sums = None
+        self._any_flipped = None
+        self._forward_flipped_tok = None
+        self._forward_weight_tok = None
+        self._forward_layers = set()
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """``actor/routing/...`` scalars since the last reset (NaN where no token was replayed)."""
+        self.end_forward()
+        keys = [f"{METRIC_PREFIX}/{name}/layer_{layer}" for name in PER_LAYER_METRICS for layer in self.layers]
+        keys += [f"{METRIC_PREFIX}/{name}" for name in PER_LAYER_METRICS]
+        keys += [f"{METRIC_PREFIX}/any_layer_flip_frac", f"{METRIC_PREFIX}/replayed_tokens"]
+        if self._sums is None:
+            values = [math.nan] * (len(keys) - 1) + [0.0]
+        else:
+            sums, any_flipped = self._sums, self._any_flipped
+            tokens = sums[:, _TOKENS]
+            per_layer = sums[:, [_FLIPPED, _OVERLAP, _MASS_DELTA]] / tokens.unsqueeze(-1)  # (layers, 3), NaN at 0/0
+            total = sums.sum(dim=0)
+            overall = total[[_FLIPPED, _OVERLAP, _MASS_DELTA]] / total[_TOKENS]  # (3,)
+            tail = torch.stack([any_flipped[1] / any_flipped[0], any_flipped[0]])
+            values = torch.cat([per_layer.T.reshape(-1), overall, tail]).tolist()  # the one host sync
+        if reset:
+            self.reset()
+        return dict(zip(keys, values, strict=True))
