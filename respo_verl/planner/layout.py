@@ -1,0 +1,169 @@
+"""The parallel layout of a composed verl job, read from the config keys verl 0.9.1 actually uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything the rules and the memory model read from a composed job config.
+
+    Megatron fields are the actor's ``actor_rollout_ref.actor.megatron.*``; FSDP fields the actor's
+    ``fsdp_config.*``. ``etp`` is already resolved (verl passes ``null`` to megatron, which then uses TP).
+    """
+
+    backend: str  # "megatron" or "fsdp"
+    nnodes: int
+    gpus_per_node: int
+    # megatron
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    moe_dispatcher: str | None = None
+    moe_router_dtype: str | None = None
+    optimizer_cpu_offload_fraction: float = 0.0
+    # fsdp
+    ulysses_sp: int = 1
+    fsdp_size: int = -1
+    gradient_checkpointing: bool = True
+    # both
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: int = 16384
+    ppo_micro_batch_size_per_gpu: int | None = None
+    # batch
+    train_batch_size: int = 1
+    ppo_mini_batch_size: int = 1
+    rollout_n: int = 1
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    # rollout (vLLM)
+    rollout_tp: int = 1
+    rollout_dp: int = 1
+    rollout_pp: int = 1
+    rollout_ep: int = 1
+    rollout_memory_fraction: float = 0.5
+    rollout_max_model_len: int | None = None
+    rollout_max_num_seqs: int = 1024
+    rollout_name: str | None = None
+    free_cache_engine: bool = True
+    router_replay_mode: str = "disabled"
+
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size of the dense (non-expert) parameters; 0 when the world does not divide."""
+        if self.backend == "fsdp":
+            return self.world // self.ulysses_sp if self.world % self.ulysses_sp == 0 else 0
+        grid = self.tp * self.pp * self.cp
+        return self.world // grid if self.world % grid == 0 else 0
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of the expert parameters (megatron's expert grid is ETP x EP x PP)."""
+        grid = self.etp * self.ep * self.pp
+        return self.world // grid if self.world % grid == 0 else 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_prompt_length + self.max_response_length
+
+    @property
+    def seq_split(self) -> int:
+        """How many GPUs one packed micro-batch is split over along the sequence (verl's ``sp_size``)."""
+        return self.cp if self.backend == "megatron" else self.ulysses_sp
+
+
+def _get(cfg: DictConfig, key: str, default=None):
+    value = OmegaConf.select(cfg, key, default=default)
+    return default if value is None else value
+
+
+def layout_from_config(cfg: DictConfig) -> Layout:
+    """Read a :class:`Layout` from a composed (resolvable) job config."""
+    actor = "actor_rollout_ref.actor"
+    strategy = _get(cfg, f"{actor}.strategy", "fsdp")
+    backend = "megatron" if strategy == "megatron" else "fsdp"
+    common = dict(
+        backend=backend,
+        nnodes=int(_get(cfg, "trainer.nnodes", 1)),
+        gpus_per_node=int(_get(cfg, "trainer.n_gpus_per_node", 8)),
+        use_dynamic_bsz=bool(_get(cfg, f"{actor}.use_dynamic_bsz", False)),
+        ppo_max_token_len_per_gpu=int(_get(cfg, f"{actor}.ppo_max_token_len_per_gpu", 16384)),
+        log_prob_max_token_len_per_gpu=int(
+            _get(cfg, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 16384)
+        ),
+        ppo_micro_batch_size_per_gpu=_get(cfg, f"{actor}.ppo_micro_batch_size_per_gpu"),
+        train_batch_size=int(_get(cfg, "data.train_batch_size", 1)),
+        ppo_mini_batch_size=int(_get(cfg, f"{actor}.ppo_mini_batch_size", 1)),
+        rollout_n=int(_get(cfg, "actor_rollout_ref.rollout.n", 1)),
+        max_prompt_length=int(_get(cfg, "data.max_prompt_length", 512)),
+        max_response_length=int(_get(cfg, "data.max_response_length", 512)),
+        rollout_tp=int(_get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1)),
+        rollout_dp=int(_get(cfg, "actor_rollout_ref.rollout.data_parallel_size", 1)),
+        rollout_pp=int(_get(cfg, "actor_rollout_ref.rollout.pipeline_model_parallel_size", 1)),
+        rollout_ep=int(_get(cfg, "actor_rollout_ref.rollout.expert_parallel_size", 1)),
+        rollout_memory_fraction=float(_get(cfg, "actor_rollout_ref.rollout.gpu_memory_utilization", 0.5)),
+        rollout_max_model_len=_get(cfg, "actor_rollout_ref.rollout.max_model_len"),
+        rollout_max_num_seqs=int(_get(cfg, "actor_rollout_ref.rollout.max_num_seqs", 1024)),
+        rollout_name=_get(cfg, "actor_rollout_ref.rollout.name"),
+        free_cache_engine=bool(_get(cfg, "actor_rollout_ref.rollout.free_cache_engine", True)),
+    )
+    if backend == "megatron":
+        mg = f"{actor}.megatron"
+        tp = int(_get(cfg, f"{mg}.tensor_model_parallel_size", 1))
+        tf = f"{mg}.override_transformer_config"
+        offload_cfg = f"{actor}.optim.override_optimizer_config"
+        cpu_offload = bool(_get(cfg, f"{offload_cfg}.optimizer_cpu_offload", False))
+        vpp = _get(cfg, f"{mg}.virtual_pipeline_model_parallel_size")
+        recompute_layers = _get(cfg, f"{tf}.recompute_num_layers")
+        return Layout(
+            **common,
+            tp=tp,
+            pp=int(_get(cfg, f"{mg}.pipeline_model_parallel_size", 1)),
+            vpp=None if vpp is None else int(vpp),
+            cp=int(_get(cfg, f"{mg}.context_parallel_size", 1)),
+            ep=int(_get(cfg, f"{mg}.expert_model_parallel_size", 1)),
+            etp=int(_get(cfg, f"{mg}.expert_tensor_parallel_size", tp)),
+            # verl turns sequence parallelism off by itself when TP is 1 (McoreEngineConfig.__post_init__).
+            sequence_parallel=bool(_get(cfg, f"{mg}.sequence_parallel", True)) and tp > 1,
+            distributed_optimizer=bool(_get(cfg, f"{mg}.use_distributed_optimizer", True)),
+            recompute_granularity=_get(cfg, f"{tf}.recompute_granularity"),
+            recompute_method=_get(cfg, f"{tf}.recompute_method"),
+            recompute_num_layers=None if recompute_layers is None else int(recompute_layers),
+            moe_dispatcher=_get(cfg, f"{tf}.moe_token_dispatcher_type"),
+            moe_router_dtype=_get(cfg, f"{tf}.moe_router_dtype"),
+            optimizer_cpu_offload_fraction=(
+                float(_get(cfg, f"{offload_cfg}.optimizer_offload_fraction", 0.0)) if cpu_offload else 0.0
+            ),
+            param_offload=bool(_get(cfg, f"{mg}.param_offload", False)),
+            optimizer_offload=bool(_get(cfg, f"{mg}.optimizer_offload", False)),
+            router_replay_mode=str(_get(cfg, f"{mg}.router_replay.mode", "disabled")),
+        )
+    fs = f"{actor}.fsdp_config"
+    sp = int(_get(cfg, f"{fs}.ulysses_sequence_parallel_size", 1))
+    sp = max(sp, int(_get(cfg, f"{actor}.ulysses_sequence_parallel_size", 1)))  # verl forwards the deprecated key
+    return Layout(
+        **common,
+        ulysses_sp=sp,
+        fsdp_size=int(_get(cfg, f"{fs}.fsdp_size", -1)),
+        gradient_checkpointing=bool(_get(cfg, "actor_rollout_ref.model.enable_gradient_checkpointing", True)),
+        param_offload=bool(_get(cfg, f"{fs}.param_offload", False)),
+        optimizer_offload=bool(_get(cfg, f"{fs}.optimizer_offload", False)),
+    )

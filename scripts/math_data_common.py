@@ -1,0 +1,116 @@
+"""Shared by prepare_dapo_math.py and prepare_eval_math.py: reading a local file or an HF dataset, and writing
+verl's RL parquet schema.
+
+verl's ``RLHFDataset`` (verl/utils/dataset/rl_dataset.py) reads ``prompt`` (a chat list) and passes
+``data_source``, ``reward_model`` (``ground_truth``, ``style``) and ``extra_info`` (``index``) through to the
+reward manager, which picks the verifier by ``data_source`` (``math_dapo`` and ``aime*`` go to the DAPO math
+verifier, reward +1 / -1).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# The ReSPO paper's instruction, appended to every problem.
+PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+
+# DAPO-Math-17k wraps each problem in its own answer-format instruction; the paper replaces it with PROMPT_SUFFIX.
+_DAPO_PREFIX = re.compile(r"^\s*Solve the following math problem step by step\..*?\n\n", re.DOTALL)
+_DAPO_POSTFIX = re.compile(r"\n*\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
+
+VERL_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+        ("extra_info", pa.struct([("index", pa.int64()), ("split", pa.string()), ("source", pa.string())])),
+    ]
+)
+LOCAL_SUFFIXES = (".parquet", ".json", ".jsonl")
+
+
+class DataError(ValueError):
+    """Input that cannot be turned into verl's schema; the message names the file/dataset and what is wrong."""
+
+
+def load_rows(source: str, config: str | None = None, split: str = "train") -> list[dict]:
+    """Rows of a local ``.parquet`` / ``.json`` / ``.jsonl`` file, or of an HF dataset ``source`` (name)."""
+    path = Path(source).expanduser()
+    if path.suffix in LOCAL_SUFFIXES or path.exists():
+        if not path.is_file():
+            raise DataError(f"input file not found: {path}")
+        if path.suffix == ".parquet":
+            return pq.read_table(path).to_pylist()
+        if path.suffix in (".json", ".jsonl"):
+            import pandas as pd
+
+            try:
+                frame = pd.read_json(path, lines=path.suffix == ".jsonl")
+            except ValueError as err:
+                raise DataError(f"{path} is not valid {path.suffix[1:].upper()}: {err}") from err
+            return frame.to_dict(orient="records")
+        raise DataError(f"unsupported input file {path}: use one of {', '.join(LOCAL_SUFFIXES)}")
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(source, config, split=split))
+    except Exception as err:  # datasets raises many types (network, missing config, missing split)
+        raise DataError(f"cannot load dataset {source!r} (config {config!r}, split {split!r}): {err}") from err
+
+
+def first_key(row: dict, keys: Iterable[str], what: str, where: str):
+    for key in keys:
+        if key in row and row[key] is not None:
+            return row[key]
+    raise DataError(f"{where}: no {what} column (looked for {', '.join(keys)}; found {', '.join(sorted(row))})")
+
+
+def user_text(value) -> str:
+    """The problem text from a plain string or a chat list ([{role, content}, ...])."""
+    if isinstance(value, str):
+        return value
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list | tuple):
+        users = [m.get("content", "") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        if users:
+            return users[-1]
+    raise DataError(f"cannot read a problem from {type(value).__name__} {str(value)[:80]!r}")
+
+
+def strip_dapo_template(text: str) -> str:
+    return _DAPO_POSTFIX.sub("", _DAPO_PREFIX.sub("", text)).strip()
+
+
+def answer_text(value) -> str:
+    """Ground truth as a string; integral floats (AMC answers are often stored as 27.0) lose the '.0'."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
+
+
+def make_row(problem: str, answer: str, data_source: str, index: int, split: str, source: str) -> dict:
+    if not problem.strip():
+        raise DataError(f"{source} row {index}: empty problem")
+    if not answer:
+        raise DataError(f"{source} row {index}: empty answer")
+    return {
+        "data_source": data_source,
+        "prompt": [{"content": f"{problem.strip()}\n{PROMPT_SUFFIX}", "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": {"index": index, "split": split, "source": source},
+    }
+
+
+def write_parquet(rows: list[dict], output: str | Path) -> Path:
+    output = Path(output).expanduser()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=VERL_SCHEMA), output)
+    return output
