@@ -21,7 +21,12 @@ from respo_verl.sweep.runner import is_complete, run_locally, submit_to_ray
 def paper_grid(tmp_path_factory):
     """The paper's grid (4 algorithms × N ∈ {8, 16, 32} × 3 seeds), every run composed in-process."""
     out = tmp_path_factory.mktemp("sweep")
-    spec = SweepSpec(model="qwen3-30b-a3b", out_dir=out, base_overrides=("actor_rollout_ref.model.path=/models/q",))
+    spec = SweepSpec(
+        model="qwen3-30b-a3b",
+        preset="qwen3_30b_a3b_h200_1x8",
+        out_dir=out,
+        base_overrides=("actor_rollout_ref.model.path=/models/q",),
+    )
     return expand(spec)
 
 
@@ -32,6 +37,7 @@ def test_paper_grid_runs_differ_only_in_the_swept_keys(paper_grid):
     by_group = defaultdict(set)
     for r in records:
         overrides = dict(o.split("=", 1) for o in r.command[3:])
+        assert overrides["+cluster"] == "qwen3_30b_a3b_h200_1x8"
         assert overrides["data.train_batch_size"] == str(32 * r.reuse)
         assert overrides["actor_rollout_ref.actor.ppo_mini_batch_size"] == "32"
         assert int(overrides["trainer.total_training_steps"]) * r.reuse == 1024
@@ -58,6 +64,7 @@ def test_dry_run_prints_every_run_and_writes_the_manifest(tmp_path, capsys):
 @pytest.mark.parametrize("entry", ["respo", "verl"])
 def test_a_printed_command_composes_under_cfg_job(tmp_path, capsys, entry):
     argv = ["sweep", "--print", "--entry", entry, "--out", str(tmp_path), "--algos", "gspo", "--reuse", "16"]
+    argv += ["--preset", "qwen3_1p7b_h100_2x8"]
     assert cli_main([*argv, "--seeds", "2", "--", "actor_rollout_ref.rollout.name=vllm"]) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     words = shlex.split(line)
@@ -68,6 +75,7 @@ def test_a_printed_command_composes_under_cfg_job(tmp_path, capsys, entry):
     assert job.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
     assert job.data.train_batch_size == 512 and job.trainer.total_training_steps == 64
     assert job.trainer.experiment_name == "model-gspo-n16-s2" and job.data.seed == 2
+    assert job.trainer.nnodes == 2 and job.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
 
 
 @pytest.mark.parametrize(
