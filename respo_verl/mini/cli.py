@@ -135,6 +135,30 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _manifest_record(cfg, log_path: Path, out: Path, spec, warm, argv: list[str]):
+    """The run's manifest entry, so that ``respo-verl report`` reads the logs as it reads a sweep's."""
+    import hashlib
+    import importlib.metadata
+
+    from respo_verl.sweep.manifest import RunRecord
+
+    # Everything that defines the run except its seed: seeds of one setting share the hash.
+    setting = {k: v for k, v in asdict(cfg).items() if k != "seed"} | {"model": asdict(spec), "warm": asdict(warm)}
+    return RunRecord(
+        name=cfg.name,
+        algorithm=cfg.algorithm,
+        reuse=cfg.reuse,
+        seed=cfg.seed,
+        log=str(log_path.resolve().relative_to(out)),
+        optimizer_steps=cfg.optimizer_steps,
+        config_hash=hashlib.sha256(json.dumps(setting, sort_keys=True, default=str).encode()).hexdigest(),
+        command=["respo-verl", "mini", *argv],
+        versions={"respo-verl": importlib.metadata.version("respo-verl")},
+        source="mini",
+        log_step="optimizer",
+    )
+
+
 def rollout_prompts(args: argparse.Namespace, reuse: int) -> int:
     return args.rollout_prompts if args.rollout_prompts is not None else args.minibatch_prompts * reuse
 
@@ -162,6 +186,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from respo_verl.mini import model as model_lib
     from respo_verl.mini import report
     from respo_verl.mini.train import RunConfig, train
+    from respo_verl.sweep.manifest import write_manifest
 
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -183,14 +208,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         for seed in range(args.seeds)
         for algo in args.algos
     ]
-    summaries, series = [], {}
+    summaries, series, records = [], {}, []
     bar = tqdm(total=sum(c.optimizer_steps for c in configs), unit="upd", disable=args.no_progress, file=sys.stderr)
     for cfg in configs:
         bar.set_description(cfg.name)
         result = train(cfg, base, out, on_step=lambda _: bar.update(1))
         summaries.append(report.summarize_run(cfg.algorithm, cfg.reuse, cfg.seed, result.records))
         series.setdefault((cfg.algorithm, cfg.reuse), []).append([r["data"]["mini/score"] for r in result.records])
+        records.append(_manifest_record(cfg, result.log_path, out, spec, warm, argv))
     bar.close()
+    manifest = write_manifest(records, out)
     wall = time.perf_counter() - start
     command = "respo-verl mini " + shlex.join(argv)
     table = report.markdown_table(summaries)
@@ -220,4 +247,5 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     )
     print(table)
     print(f"\ntotal {wall:.0f} s; table {out / 'results.md'}; plot {png}; logs {out / 'respo_verl_mini'}")
+    print(f"comparison report of these logs: respo-verl report {shlex.quote(str(manifest.parent))}")
     return 0

@@ -75,8 +75,12 @@ def summarize_run(algorithm: str, reuse: int, seed: int, records: list[dict[str,
 
 
 def _mean_se(values: Sequence[float]) -> tuple[float, float]:
-    mean = statistics.fmean(values)
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    """Mean and standard error over the seeds that have a value (NaN: the statistic was undefined in that run)."""
+    present = [v for v in values if not math.isnan(v)]
+    if not present:
+        return math.nan, math.nan
+    mean = statistics.fmean(present)
+    se = statistics.stdev(present) / math.sqrt(len(present)) if len(present) > 1 else math.nan
     return mean, se
 
 

@@ -30,7 +30,7 @@ EARLY_WINDOW = 256
 CONFIG_SENSITIVE_KEYS = ("actor/lr",)
 VAL_PATTERN = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
 STARVED_MASS_PATTERN = re.compile(r"^actor/(?P<loss>[^/]+)/starved_mass_share$")
-NAME_PATTERN = re.compile(r"(?P<algorithm>respo|vespo|grpo|gspo)[-_]n(?P<reuse>\d+)[-_]s(?P<seed>\d+)")
+NAME_PATTERN = re.compile(r"(?P<algorithm>respo|vespo|grpo|gspo)[-_]n(?P<reuse>\d+)[-_]s(?:eed)?(?P<seed>\d+)")
 BASELINE = "vespo"
 CONFIDENCE = 0.95
 
@@ -82,8 +82,14 @@ def identify(run: RunLog, record: RunRecord | None) -> tuple[str, int, int]:
     return match["algorithm"], int(match["reuse"]), int(match["seed"])
 
 
-def score_curve(run: RunLog, reuse: int, score_key: str, reward_range: str) -> tuple[list[float], list[str]]:
-    """Per-optimizer-step score in [0, 1] and notes (gaps in the logged training steps)."""
+def score_curve(
+    run: RunLog, reuse: int, score_key: str, reward_range: str, log_step: str = "training"
+) -> tuple[list[float], list[str]]:
+    """Per-optimizer-step score in [0, 1] and notes (gaps in the logged steps).
+
+    A ``training``-step log has one line per rollout batch, expanded N-fold; an ``optimizer``-step log
+    (``respo-verl mini``) already has one line per update.
+    """
     series = run.series(score_key)
     if not series:
         raise KeyError(score_key)
@@ -93,7 +99,8 @@ def score_curve(run: RunLog, reuse: int, score_key: str, reward_range: str) -> t
     if gaps:
         notes.append(f"training steps missing before {gaps[:5]} in {score_key}; the curve joins the logged steps")
     to_unit = (lambda r: (r + 1.0) / 2.0) if reward_range == "pm1" else (lambda r: r)
-    curve = [to_unit(series[s]) for s in steps for _ in range(reuse)]
+    repeat = reuse if log_step == "training" else 1
+    curve = [to_unit(series[s]) for s in steps for _ in range(repeat)]
     return curve, notes
 
 
@@ -105,12 +112,13 @@ def summarise_run(
     run: RunLog, record: RunRecord | None, score_key: str = SCORE_KEY, reward_range: str = "pm1"
 ) -> RunSummary:
     algorithm, reuse, seed = identify(run, record)
-    curve, notes = score_curve(run, reuse, score_key, reward_range)
+    log_step = record.log_step if record is not None else "training"
+    curve, notes = score_curve(run, reuse, score_key, reward_range, log_step)
     complete = None
     if record is not None:
-        complete = run.last_step >= record.training_steps
+        complete = run.last_step >= record.last_log_step
         if not complete:
-            notes.append(f"incomplete: {run.last_step} of {record.training_steps} training steps logged")
+            notes.append(f"incomplete: {run.last_step} of {record.last_log_step} {log_step} steps logged")
     if len(curve) < LATE_WINDOW:
         notes.append(f"only {len(curve)} optimizer steps: the late window covers the whole run")
     lengths = run.series(LENGTH_KEY)

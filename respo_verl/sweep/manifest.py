@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MANIFEST_NAME = "manifest.jsonl"
+LOG_STEPS = ("training", "optimizer")
 
 
 @dataclass
@@ -31,6 +32,8 @@ class RunRecord:
         preset, routing: cluster preset and routing mode, when set.
         versions: package versions at sweep time.
         source: ``verl`` (a trainer run) or ``mini`` (the CPU experiment).
+        log_step: what the ``step`` of a log line counts: ``training`` (verl: one line per rollout batch, N
+            optimizer updates) or ``optimizer`` (``respo-verl mini``: one line per update).
     """
 
     name: str
@@ -46,10 +49,22 @@ class RunRecord:
     routing: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     source: str = "verl"
+    log_step: str = "training"
+
+    def __post_init__(self) -> None:
+        if self.log_step not in LOG_STEPS:
+            raise ValueError(f"run {self.name}: log_step must be one of {LOG_STEPS}, got {self.log_step!r}")
+        if self.reuse < 1 or self.optimizer_steps % self.reuse:
+            raise ValueError(f"run {self.name}: N = {self.reuse} must divide optimizer_steps = {self.optimizer_steps}")
 
     @property
     def training_steps(self) -> int:
         return self.optimizer_steps // self.reuse
+
+    @property
+    def last_log_step(self) -> int:
+        """The ``step`` of the last line of a complete log."""
+        return self.optimizer_steps if self.log_step == "optimizer" else self.training_steps
 
 
 def write_manifest(records: list[RunRecord], directory: Path) -> Path:

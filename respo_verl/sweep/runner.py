@@ -17,12 +17,12 @@ def log_path(record: RunRecord, out_dir: Path) -> Path:
 
 
 def is_complete(record: RunRecord, out_dir: Path) -> bool:
-    """A run is complete when its log reaches the planned number of training steps."""
+    """A run is complete when its log reaches its planned last step."""
     path = log_path(record, out_dir)
     if not path.exists():
         return False
     try:
-        return read_log(path).last_step >= record.training_steps
+        return read_log(path).last_step >= record.last_log_step
     except ValueError:
         return False
 
