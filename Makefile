@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup lint test test-verl bench clean
+.PHONY: setup lint test bench demo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: lint
 
 bench: setup
 	$(PY) scripts/bench_losses.py
+
+# The main job on a CPU machine: the paper's experiment in miniature, quick mode (README).
+demo: setup
+	$(VENV)/bin/respo-verl mini
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
