@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--group-size", type=int, default=8, help="responses per prompt G")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak AdamW learning rate")
     parser.add_argument("--moe", action="store_true", help="tiny Qwen3-MoE (4 experts, top-2) instead of dense")
-    parser.add_argument("--routing-replay", action="store_true", help="R2 routing replay for --moe (not available yet)")
+    parser.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="R2 routing replay with --moe: replay the π_old forward's experts in every update of the rollout batch",
+    )
     parser.add_argument(
         "--warm-start-steps",
         type=int,
@@ -87,11 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill mode defaults and check every option; raise :class:`UsageError` with a clear message."""
-    if args.routing_replay:
-        raise UsageError(
-            "--routing-replay is not available yet: routing replay for the HF Qwen3-MoE model is being built in "
-            "respo_verl/routing/. Run --moe without it for now."
-        )
+    if args.routing_replay and not args.moe:
+        raise UsageError("--routing-replay replays the experts of an MoE model: it needs --moe")
     args.algos = list(args.algos) if args.algos is not None else list(ALGORITHMS)
     unknown = [a for a in args.algos if a not in ALGORITHMS]
     if unknown or not args.algos:
@@ -203,7 +204,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         flush=True,
     )
     configs = [
-        RunConfig(algo, n, seed, args.optimizer_steps, rollout_prompts(args, n), args.group_size, args.lr)
+        RunConfig(
+            algo,
+            n,
+            seed,
+            args.optimizer_steps,
+            rollout_prompts(args, n),
+            args.group_size,
+            args.lr,
+            routing_replay=args.routing_replay,
+        )
         for n in args.reuse
         for seed in range(args.seeds)
         for algo in args.algos
@@ -221,10 +231,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     wall = time.perf_counter() - start
     command = "respo-verl mini " + shlex.join(argv)
     table = report.markdown_table(summaries)
-    title = (
-        f"respo-verl mini ({'Qwen3-MoE' if args.moe else 'Qwen3'}, G={args.group_size}, "
-        f"{args.optimizer_steps} updates, lr {args.lr:g})"
-    )
+    model_name = ("Qwen3-MoE" if args.moe else "Qwen3") + (", R2 routing replay" if args.routing_replay else "")
+    title = f"respo-verl mini ({model_name}, G={args.group_size}, {args.optimizer_steps} updates, lr {args.lr:g})"
     png = report.plot_scores(series, out / "scores.png", title)
     header = [
         f"# {title}",

@@ -30,6 +30,7 @@ from respo_verl.core.kernels import sequence_log_weight
 from respo_verl.core.losses import KernelTerms
 from respo_verl.mini import task
 from respo_verl.mini.rollout import Rollout, response_log_prob, sample
+from respo_verl.routing.hf import RoutingReplay
 from respo_verl.verl import experiment
 
 # SPEC §1: the sequence log-weight is clamped to ±20 by every kernel; the diagnostics use the same clamp.
@@ -53,6 +54,8 @@ class RunConfig:
         group_size: G, responses per prompt.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay (SPEC §5: 0.1).
+        routing_replay: R2 routing replay (MoE models): the experts chosen in the π_old forward are replayed in
+            every update forward of the same rollout batch, so log W carries no expert flips (SPEC §6).
     """
 
     algorithm: str
@@ -63,6 +66,7 @@ class RunConfig:
     group_size: int = 8
     lr: float = 3e-4
     weight_decay: float = 0.1
+    routing_replay: bool = False
 
     @property
     def training_steps(self) -> int:
@@ -70,7 +74,7 @@ class RunConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.algorithm}_n{self.reuse}_seed{self.seed}"
+        return f"{self.algorithm}_n{self.reuse}_seed{self.seed}" + ("_r2" if self.routing_replay else "")
 
 
 @dataclass
@@ -223,6 +227,7 @@ def train(
 
     setup = experiment.load_algorithm(cfg.algorithm)
     model = copy.deepcopy(base_model).train()
+    replay = RoutingReplay(model) if cfg.routing_replay else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     prompt_gen = torch.Generator().manual_seed(cfg.seed)
     sample_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)  # independent stream for sampling
@@ -250,7 +255,13 @@ def train(
             advantages = experiment.compute_advantages(setup, token_level_rewards, mask, uids)  # (B, T)
             t1 = time.perf_counter()
             with torch.no_grad():  # π_old, recomputed once before the first update (verl's default)
-                old_log_prob = response_log_prob(model, rollout)  # (B, T)
+                if replay is None:
+                    old_log_prob = response_log_prob(model, rollout)  # (B, T)
+                else:
+                    with replay.record() as flat_routes:  # R2: record the π_old forward's experts
+                        old_log_prob = response_log_prob(model, rollout)  # (B, T)
+                    seq_len = rollout.prompts.input_ids.shape[1] + rollout.response.shape[1]
+                    routes = {layer: r.view(-1, seq_len, r.shape[-1]) for layer, r in flat_routes.items()}  # (B, L, k)
             t_old = time.perf_counter() - t1
             step_metrics = rollout_metrics(rollout, reward, advantages)
             model.train()
@@ -262,7 +273,13 @@ def train(
                 lr = _lr_at(step + 1, cfg)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                log_prob = response_log_prob(model, mb)  # (b, T)
+                if replay is None:
+                    log_prob = response_log_prob(model, mb)  # (b, T)
+                else:
+                    mb_routes = {layer: r[rows] for layer, r in routes.items()}  # (b, L, k)
+                    tokens = torch.cat([mb.prompts.attention_mask.bool(), mb_mask], dim=1)  # (b, L): not padding
+                    with replay.replay(mb_routes, token_mask=tokens):
+                        log_prob = response_log_prob(model, mb)  # (b, T)
                 log_prob.retain_grad()
                 experiment.set_global_batch_info(setup.actor_config, int(mb_mask.sum()), mb_mask.shape[0])
                 pg_loss, loss_metrics = experiment.policy_loss(
@@ -293,6 +310,7 @@ def train(
                     "actor/grad_norm": grad_norm,
                     **loss_metrics,
                     **diag,
+                    **(replay.diagnostics() if replay is not None else {}),
                     "timing_s/gen": t_gen,
                     "timing_s/old_log_prob": t_old,
                     "timing_s/update_actor": time.perf_counter() - t2,
@@ -303,5 +321,7 @@ def train(
                 result.records.append(record)
                 if on_step is not None:
                     on_step(step)
+    if replay is not None:
+        replay.remove()
     result.wall_s = time.perf_counter() - start
     return result

@@ -19,7 +19,7 @@ from respo_verl.verl.experiment import ALGORITHMS
         (["--reuse", "32", "--optimizer-steps", "48"], "multiple of every N"),
         (["--group-size", "1"], "--group-size must be >= 2"),
         (["--lr", "0"], "--lr must be a positive number"),
-        (["--moe", "--routing-replay"], "not available yet"),
+        (["--routing-replay"], "it needs --moe"),
     ],
 )
 def test_bad_input_is_rejected_before_work(argv, message, tmp_path, capsys):

@@ -231,3 +231,33 @@ def test_moe_variant_runs(tmp_path):
     cfg = RunConfig("respo", reuse=2, seed=0, optimizer_steps=2, rollout_prompts=2, group_size=4)
     records = train(cfg, model, tmp_path).records
     assert len(records) == 2 and math.isfinite(records[-1]["data"]["actor/pg_loss"])
+
+
+def test_r2_routing_replay_on_the_moe_variant(tmp_path):
+    """R2: the π_old forward's experts are replayed in every update of the rollout batch. The first mini-batch is
+    updated with the parameters that recorded its routes, so replayed and native routes agree exactly there; later
+    mini-batches may drift."""
+    model, _ = model_lib.warm_start(model_lib.ModelSpec(moe=True), TINY_WARM, cache_dir=None)
+    cfg = RunConfig("respo", reuse=4, seed=0, optimizer_steps=8, rollout_prompts=4, group_size=4, routing_replay=True)
+    records = train(cfg, model, tmp_path).records
+    assert cfg.name == "respo_n4_seed0_r2" and len(records) == 8
+    layers = model.config.num_hidden_layers
+    for record in records:
+        data = record["data"]
+        assert {f"actor/routing/flip_frac/layer_{i}" for i in range(layers)} <= set(data)
+        assert data["actor/routing/replayed_tokens"] > 0
+        if data["mini/minibatch"] == 0:
+            assert data["actor/routing/flip_frac"] == 0.0 and data["actor/routing/overlap"] == 1.0
+        assert 0.0 <= data["actor/routing/any_layer_flip_frac"] <= 1.0
+    assert not hasattr(model, "_respo_routing_replay"), "the replay hooks are removed after the run"
+
+
+def test_routing_replay_through_the_console_entry_point(tmp_path, capsys):
+    from respo_verl.cli import main
+
+    argv = ["mini", "--moe", "--routing-replay", "--algos", "vespo", "--reuse", "2", "--optimizer-steps", "2"]
+    argv += ["--minibatch-prompts", "1", "--group-size", "4", "--warm-start-steps", "2", "--no-progress"]
+    assert main([*argv, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")]) == 0
+    assert "R2 routing replay" in (tmp_path / "out" / "results.md").read_text()
+    lines = (tmp_path / "out" / "respo_verl_mini" / "vespo_n2_seed0_r2.jsonl").read_bytes().splitlines()
+    assert "actor/routing/flip_frac" in orjson.loads(lines[0])["data"]
