@@ -145,6 +145,11 @@ class RouteDriftMonitor:
         """Route drift since the last reset; the key set is fixed by the model's layers (one host sync)."""
         return self._stats.metrics(reset=reset)
 
+    def sums(self, reset: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The device-side sums behind :meth:`metrics` (rows in :attr:`layers` order), for reducing across ranks;
+        see :meth:`respo_verl.routing.diagnostics.RouteDriftStats.sums`."""
+        return self._stats.sums(reset=reset)
+
     # -- internals --------------------------------------------------------------------------------------------
 
     def _wrap(self, layer: int, router: TopKRouter, get_replay_topk):

@@ -142,22 +142,55 @@ class RouteDriftStats:
         self._forward_weight_tok = None
         self._forward_layers = set()
 
-    def metrics(self, reset: bool = True) -> dict[str, float]:
-        """``actor/routing/...`` scalars since the last reset (NaN where no token was replayed)."""
+    def sums(self, reset: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The raw sums behind :meth:`metrics`, still on the device (no host sync), for reducing across ranks.
+
+        Returns:
+            ``(per_layer, any_layer)``: ``per_layer`` (layers, 4) float64, per row of :attr:`layers` the counted
+            tokens, flipped tokens, summed overlap and summed probability-mass delta; ``any_layer`` (2,) float64,
+            tokens counted per forward and tokens flipped in at least one layer. Both None if nothing was counted.
+            :func:`drift_metrics` turns them into metrics.
+        """
         self.end_forward()
-        keys = [f"{METRIC_PREFIX}/{name}/layer_{layer}" for name in PER_LAYER_METRICS for layer in self.layers]
-        keys += [f"{METRIC_PREFIX}/{name}" for name in PER_LAYER_METRICS]
-        keys += [f"{METRIC_PREFIX}/any_layer_flip_frac", f"{METRIC_PREFIX}/replayed_tokens"]
-        if self._sums is None:
-            values = [math.nan] * (len(keys) - 1) + [0.0]
-        else:
-            sums, any_flipped = self._sums, self._any_flipped
-            tokens = sums[:, _TOKENS]
-            per_layer = sums[:, [_FLIPPED, _OVERLAP, _MASS_DELTA]] / tokens.unsqueeze(-1)  # (layers, 3), NaN at 0/0
-            total = sums.sum(dim=0)
-            overall = total[[_FLIPPED, _OVERLAP, _MASS_DELTA]] / total[_TOKENS]  # (3,)
-            tail = torch.stack([any_flipped[1] / any_flipped[0], any_flipped[0]])
-            values = torch.cat([per_layer.T.reshape(-1), overall, tail]).tolist()  # the one host sync
+        out = (self._sums, self._any_flipped)
         if reset:
             self.reset()
-        return dict(zip(keys, values, strict=True))
+        return out
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """``actor/routing/...`` scalars since the last reset (NaN where no token was replayed)."""
+        per_layer, any_layer = self.sums(reset=reset)
+        return drift_metrics(self.layers, per_layer, any_layer)
+
+
+def drift_metrics(
+    layers: Iterable[int],
+    per_layer: torch.Tensor | None,
+    any_layer: torch.Tensor | None,
+    prefix: str = METRIC_PREFIX,
+) -> dict[str, float]:
+    """Metrics from the sums of :meth:`RouteDriftStats.sums` (possibly summed over ranks first).
+
+    Args:
+        layers: the layer indices of the rows of ``per_layer``, in row order.
+        per_layer: (layers, 4) sums, or None if nothing was counted.
+        any_layer: (2,) sums, or None if nothing was counted.
+        prefix: key prefix (``actor/routing``; verl's trainer adds ``actor/`` itself, so its engine uses
+            ``routing``).
+
+    Returns:
+        The metrics listed in the module docstring, one host sync; NaN where no token was counted.
+    """
+    layers = tuple(layers)
+    keys = [f"{prefix}/{name}/layer_{layer}" for name in PER_LAYER_METRICS for layer in layers]
+    keys += [f"{prefix}/{name}" for name in PER_LAYER_METRICS]
+    keys += [f"{prefix}/any_layer_flip_frac", f"{prefix}/replayed_tokens"]
+    if per_layer is None or any_layer is None:
+        return dict(zip(keys, [math.nan] * (len(keys) - 1) + [0.0], strict=True))
+    tokens = per_layer[:, _TOKENS]
+    ratios = per_layer[:, [_FLIPPED, _OVERLAP, _MASS_DELTA]] / tokens.unsqueeze(-1)  # (layers, 3), NaN at 0/0
+    total = per_layer.sum(dim=0)
+    overall = total[[_FLIPPED, _OVERLAP, _MASS_DELTA]] / total[_TOKENS]  # (3,)
+    tail = torch.stack([any_layer[1] / any_layer[0], any_layer[0]])
+    values = torch.cat([ratios.T.reshape(-1), overall, tail]).tolist()  # the one host sync
+    return dict(zip(keys, values, strict=True))

@@ -9,6 +9,9 @@ Loaded three ways, so that every process of a run has the registrations:
 - building :class:`respo_verl.verl.config.ReSPOPolicyLossConfig` (the ``_target_`` of the presets' ``policy_loss``).
 
 verl swallows entry-point failures at DEBUG level; :func:`require_policy_loss` is the loud check.
+
+With ``RESPO_VERL_ROUTING_DIAGNOSTICS=1`` in the environment (the ``routing=r2``/``r3`` presets put it into Ray's
+runtime env) it also applies :mod:`respo_verl.verl.patches.verl_0_9_1_megatron_routing_metrics`; otherwise nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGI
 
 from respo_verl.verl import advantage as _advantage  # noqa: F401  (registers "respo" estimator)
 from respo_verl.verl import losses as _losses  # noqa: F401  (registers "respo", "vespo" losses)
+from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as _routing_metrics
 
 POLICY_LOSSES = ("respo", "vespo")
 ADVANTAGE_ESTIMATORS = ("respo",)
@@ -24,6 +28,8 @@ INSTALL_HINT = (
     "install respo-verl in the Python environment of every node that runs verl (pip install respo-verl), "
     "or select a loss that verl ships"
 )
+# Route-drift metrics from verl's Megatron engine: patched only when the environment switches them on.
+ROUTING_METRICS_PATCHED = _routing_metrics.maybe_apply()
 
 
 def require_policy_loss(loss_mode: str) -> None:

@@ -46,7 +46,8 @@ def test_preset_sets_verls_keys_and_validates(entry, routing):
     assert arr.actor.megatron.router_replay.mode == mode
     assert arr.ref.megatron.router_replay.mode == mode
     assert arr.rollout.enable_rollout_routing_replay is rollout_flag
-    assert OmegaConf.select(cfg, "actor_rollout_ref.respo_verl.routing_diagnostics", default=False) is diagnostics
+    env = OmegaConf.select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars", default={}) or {}
+    assert (env.get("RESPO_VERL_ROUTING_DIAGNOSTICS") == "1") is diagnostics
 
     _validate(cfg)
     actor = omega_conf_to_dataclass(arr.actor)
@@ -100,4 +101,4 @@ def test_done_when_command_composes():
     job = OmegaConf.create(out.stdout)
     assert job.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
     assert job.actor_rollout_ref.rollout.enable_rollout_routing_replay is True
-    assert job.actor_rollout_ref.respo_verl.routing_diagnostics is True
+    assert job.ray_kwargs.ray_init.runtime_env.env_vars.RESPO_VERL_ROUTING_DIAGNOSTICS == "1"

@@ -1,0 +1,218 @@
+"""Route-drift metrics from verl 0.9.1's Megatron engine (respo_verl/verl/patches/verl_0_9_1_megatron_routing_metrics).
+
+verl's ``MegatronEngine`` needs CUDA and NCCL to be built, so these tests use the real class with an instance made by
+``object.__new__`` that carries only what the wrapper reads (``module``, ``enable_routing_replay``, ``tf_config``,
+``is_mp_src_rank_with_outputs``), and replace the engine's own ``forward_backward_batch`` body by a stand-in: it runs
+a tiny megatron-core GPTModel on CPU (gloo world of size 1) under megatron's routing replay, the way verl drives the
+routers (set the replay data, set REPLAY_FORWARD, forward, clear), and returns the dict shape verl's method returns.
+The stand-in replaces the CUDA-only engine body; the wrapper, the monitor, the reduction and the metric keys are the
+real code.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_cpu_shim import BATCH, NUM_EXPERTS, NUM_LAYERS, SEQ, VOCAB, forward, megatron_cpu, tiny_gpt_moe
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+
+from respo_verl.megatron.routing import find_replay_routers
+from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as patch
+
+TOKENS = BATCH * SEQ
+LAST = NUM_LAYERS - 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_world():
+    with megatron_cpu():
+        yield
+
+
+@pytest.fixture
+def engine_cls():
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine, MegatronEngineWithLMHead
+
+    assert not patch.is_applied(), "the test process must start unpatched"
+    verl_body = vars(MegatronEngine)["forward_backward_batch"]
+    MegatronEngine.forward_backward_batch = _stand_in
+    yield MegatronEngineWithLMHead
+    patch.remove()
+    MegatronEngine.forward_backward_batch = verl_body
+
+
+def _stand_in(self, data, loss_function, forward_only=False):
+    """Stands in for verl's CUDA-only ``forward_backward_batch``: replay (if the batch asks for it), forward, clear."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = find_replay_routers(self.module)
+    replay = tu.get_non_tensor_data(data, key="enable_routing_replay", default=False)
+    if replay:
+        for layer, router in routers.items():
+            if layer in self.routes:
+                router.router_replay.set_target_indices(self.routes[layer])
+            router.router_replay.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+    try:
+        with torch.set_grad_enabled(not forward_only):
+            logits = forward(self.module[0], data["input_ids"])
+    finally:
+        for router in routers.values():
+            router.router_replay.clear_indices()
+            router.router_replay.router_replay_action = None
+    return {"model_output": {"logits": logits.detach()}, "loss": [0.5], "metrics": {"pg_loss": [0.25]}}
+
+
+def _engine(engine_cls, model, routes, replay: bool = True):
+    engine = object.__new__(engine_cls)
+    engine.module = [model]
+    engine.enable_routing_replay = replay
+    engine.tf_config = model.config
+    engine.is_mp_src_rank_with_outputs = lambda: True
+    engine.routes = routes  # read by the stand-in only
+    return engine
+
+
+def _batch(input_ids, replay: bool = True) -> TensorDict:
+    data = TensorDict({"input_ids": input_ids}, batch_size=[input_ids.shape[0]])
+    tu.assign_non_tensor(data, enable_routing_replay=replay)
+    return data
+
+
+def _native_routes(model, input_ids):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = find_replay_routers(model)
+    for router in routers.values():
+        router.router_replay.router_replay_action = RouterReplayAction.RECORD
+    with torch.no_grad():
+        forward(model, input_ids)
+    routes = {layer: r.router_replay.recorded_topk_idx.clone() for layer, r in routers.items()}
+    for router in routers.values():
+        router.router_replay.clear_indices()
+        router.router_replay.router_replay_action = None
+    return routes
+
+
+def _flip(routes, layer: int, num: int):
+    flipped = {key: value.clone() for key, value in routes.items()}
+    for t in range(num):
+        flipped[layer][t, -1] = next(e for e in range(NUM_EXPERTS) if e not in routes[layer][t].tolist())
+    return flipped
+
+
+@pytest.fixture
+def input_ids():
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("flips", [1, 5])
+def test_update_reports_exact_drift_under_routing_keys(engine_cls, input_ids, flips):
+    model = tiny_gpt_moe()
+    routes = _native_routes(model, input_ids)
+    engine = _engine(engine_cls, model, _flip(routes, LAST, flips))
+    assert patch.apply() is True
+    output = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)
+    metrics = output["metrics"]
+    assert metrics["pg_loss"] == [0.25] and output["loss"] == [0.5]  # verl's own metrics untouched
+    assert metrics[f"routing/flip_frac/layer_{LAST}"] == [flips / TOKENS]
+    assert metrics["routing/any_layer_flip_frac"] == [flips / TOKENS]
+    assert metrics["routing/replayed_tokens"] == [TOKENS]
+    for layer in range(LAST):  # upstream layers see unchanged inputs
+        assert metrics[f"routing/flip_frac/layer_{layer}"] == [0.0]
+    assert metrics["routing/flip_frac"] == [pytest.approx(flips / (TOKENS * NUM_LAYERS))]
+    assert not [key for key in metrics if key.startswith(("actor/", "routing/compute_log_prob"))]
+    # every value is a one-element list, the shape verl's worker flattens and its trainer averages
+    assert all(isinstance(value, list) and len(value) == 1 for value in metrics.values())
+
+
+def test_forward_only_drift_is_reported_with_the_next_update(engine_cls, input_ids):
+    model = tiny_gpt_moe()
+    routes = _native_routes(model, input_ids)
+    engine = _engine(engine_cls, model, _flip(routes, LAST, 3))
+    patch.apply()
+    output = engine.forward_backward_batch(_batch(input_ids), None, forward_only=True)  # compute_log_prob (R3)
+    assert not [key for key in output["metrics"] if key.startswith("routing/")]
+    engine.routes = routes  # the update replays without drift
+    metrics = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)["metrics"]
+    assert metrics["routing/flip_frac"] == [0.0]
+    assert metrics[f"routing/compute_log_prob/flip_frac/layer_{LAST}"] == [3 / TOKENS]
+    assert metrics["routing/compute_log_prob/replayed_tokens"] == [TOKENS]
+    again = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)["metrics"]
+    assert not [key for key in again if key.startswith("routing/compute_log_prob")]  # reported once
+
+
+def test_nothing_installed_when_replay_is_off(engine_cls, input_ids):
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    model = tiny_gpt_moe()
+    routes = _native_routes(model, input_ids)
+    assert vars(MegatronEngine)["forward_backward_batch"] is _stand_in  # not applied: verl's method as it is
+    patch.apply()
+    for engine, data in (
+        (_engine(engine_cls, model, routes, replay=False), _batch(input_ids)),  # router_replay.mode=disabled
+        (_engine(engine_cls, model, routes), _batch(input_ids, replay=False)),  # e.g. compute_ref_log_prob
+    ):
+        output = engine.forward_backward_batch(data, None, forward_only=False)
+        assert output["metrics"] == {"pg_loss": [0.25]}
+        replays = [r.router_replay for r in find_replay_routers(model).values()]
+        assert all(not hasattr(replay, "_respo_route_drift_monitor") for replay in replays)
+
+
+def test_patch_is_idempotent_and_removable(engine_cls, input_ids):
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    model = tiny_gpt_moe()
+    engine = _engine(engine_cls, model, _native_routes(model, input_ids))
+    assert patch.apply() is True and patch.apply() is False and patch.is_applied()
+    wrapper = vars(MegatronEngine)["forward_backward_batch"]
+    engine.forward_backward_batch(_batch(input_ids), None)
+    engine.forward_backward_batch(_batch(input_ids), None)  # attached once, not twice
+    replays = [r.router_replay for r in find_replay_routers(model).values()]
+    assert all(hasattr(replay, "_respo_route_drift_monitor") for replay in replays)
+    assert vars(MegatronEngine)["forward_backward_batch"] is wrapper
+    assert patch.remove() is True and patch.remove() is False
+    assert vars(MegatronEngine)["forward_backward_batch"] is _stand_in
+    assert all(not hasattr(replay, "_respo_route_drift_monitor") for replay in replays)
+    assert "get_replay_topk" not in vars(replays[0])  # the class method is back
+    assert "routing/flip_frac" not in engine.forward_backward_batch(_batch(input_ids), None)["metrics"]
+
+
+def test_missing_replay_data_for_a_layer_names_the_layer(engine_cls, input_ids):
+    model = tiny_gpt_moe()
+    routes = _native_routes(model, input_ids)
+    del routes[1]
+    patch.apply()
+    with pytest.raises(ValueError, match=r"layer 1: REPLAY_FORWARD but no replay data"):
+        _engine(engine_cls, model, routes).forward_backward_batch(_batch(input_ids), None)
+
+
+def test_plugin_applies_the_patch_only_when_switched_on(engine_cls):
+    from respo_verl.verl import plugin
+
+    assert not patch.enabled_by_env({}) and patch.enabled_by_env({patch.ENV_VAR: "1"})
+    assert patch.maybe_apply({}) is False and not patch.is_applied()
+    if not patch.enabled_by_env():
+        assert plugin.ROUTING_METRICS_PATCHED is False  # this process loaded the plugin with the switch off
+    assert patch.maybe_apply({patch.ENV_VAR: "true"}) is True and patch.is_applied()
+
+
+@pytest.mark.slow
+def test_plugin_on_import_verl_with_the_switch_on():
+    code = (
+        "import verl, respo_verl.verl.plugin as p\n"
+        "from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as m\n"
+        "print(p.ROUTING_METRICS_PATCHED, m.is_applied())"
+    )
+    for value, expected in (("1", "True True"), ("0", "False False")):
+        env = {**os.environ, patch.ENV_VAR: value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == expected
