@@ -58,8 +58,9 @@ class _NoOpStream(_NoOpEvent):
 
 
 @contextlib.contextmanager
-def megatron_cpu() -> Iterator[None]:
-    """Patch CUDA-only calls, start a gloo world of size 1 and megatron's model parallel state (TP = PP = 1)."""
+def megatron_cpu(pipeline_model_parallel_size: int = 1) -> Iterator[None]:
+    """Patch CUDA-only calls and start megatron's model parallel state (TP = 1, PP as given) on a gloo world: the
+    caller's process group if one is initialised (e.g. two ranks for PP = 2), else a world of size 1."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import moe_utils
@@ -88,7 +89,7 @@ def megatron_cpu() -> Iterator[None]:
                 "gloo", init_method=f"file://{os.path.join(store_dir, 'store')}", rank=0, world_size=1
             )
             stack.callback(dist.destroy_process_group)
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(1, pipeline_model_parallel_size)
         stack.callback(parallel_state.destroy_model_parallel)
         yield
 
@@ -112,15 +113,23 @@ def tiny_config(**overrides):
     return TransformerConfig(**kwargs)
 
 
-def tiny_gpt_moe(seed: int = 0, **overrides):
-    """A tiny GPTModel on the local (non-TE) layer spec; ``overrides`` go to :func:`tiny_config`."""
+def tiny_gpt_moe(seed: int = 0, gpt_kwargs: dict | None = None, **overrides):
+    """A tiny GPTModel on the local (non-TE) layer spec; ``gpt_kwargs`` go to ``GPTModel`` (e.g. ``pre_process``,
+    ``post_process`` of a pipeline stage), ``overrides`` to :func:`tiny_config`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = tiny_config(**overrides)
     spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, qk_layernorm=True, normalization="RMSNorm")
     torch.manual_seed(seed)
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=16, position_embedding_type="rope")
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=VOCAB,
+        max_sequence_length=16,
+        position_embedding_type="rope",
+        **(gpt_kwargs or {}),
+    )
 
 
 def forward(model, input_ids: torch.Tensor) -> torch.Tensor:

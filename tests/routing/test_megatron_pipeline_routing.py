@@ -1,0 +1,358 @@
+"""Pipeline-parallel layer bookkeeping of the route-drift diagnostics: two gloo ranks, PP = 2, TP = 1, on CPU.
+
+Two processes (``torch.multiprocessing`` spawn, ``env://`` rendezvous on 127.0.0.1 and a free port) form a gloo world
+of size 2; each runs megatron-core 0.16.1's ``initialize_model_parallel(1, 2)`` under the test-only CUDA shim
+(:mod:`megatron_cpu_shim`) and builds its pipeline stage of the tiny GPTModel MoE of ``test_megatron_routing.py``,
+with 4 layers: stage 0 holds global layers 0-1 (embedding), stage 1 layers 2-3 (output layer). Every forward goes
+through megatron's real pipeline schedule (``get_forward_backward_func()``, 1F1B without interleaving): activations
+and gradients travel between the ranks by ``torch.distributed`` isend/irecv over gloo. Two shim additions, local to
+this file: the schedule allocates a token counter with ``device="cuda"`` (redirected to the CPU, in megatron's
+``schedules`` module only), and ``batch_p2p_comm=False`` (its batched path calls ``torch.cuda.synchronize``).
+
+Each rank checks:
+
+1. bookkeeping: the monitor attaches to exactly the stage's own routers and keys them by GLOBAL layer index, the
+   same range megatron's ``get_transformer_layer_offset`` and verl 0.9.1's ``get_current_rank_layer_info`` /
+   ``iter_model_routers`` give (which decide which rows of verl's replay tensor a stage's routers receive); the
+   stage, loaded with the weights of the whole 4-layer model, reproduces that model's logits and its routes under
+   the same global layer indices (so "layer 2" on stage 1 is the whole model's layer 2);
+2. a constructed drift (m of n tokens forced to flip in global layer 3, on stage 1) reads m/n for layer 3 and 0 for
+   every other layer, on the stage that holds it; stage 0 reports zero drift for its layers 0-1;
+3. through the real engine patch (verl 0.9.1 ``MegatronEngine`` instance with a stand-in body that runs the pipeline
+   schedule forward and backward; as in ``test_engine_routing_metrics.py``), the per-layer counts are all-reduced
+   over both ranks: both ranks hold the same metrics, with every global layer present, layer 3 at m/n, and
+   ``any_layer_flip_frac`` per stage.
+
+The whole test runs under a hard deadline (``TIMEOUT_S``); a hung collective kills both ranks and fails the test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import time
+from contextlib import closing
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_cpu_shim import BATCH, NUM_EXPERTS, SEQ, TOP_K, VOCAB, forward, megatron_cpu, tiny_gpt_moe
+
+PP = 2
+LAYERS = 4  # PP stages of LAYERS // PP layers each
+DRIFT_LAYER = LAYERS - 1  # on the last stage; layers before it see unchanged inputs
+FLIPS = 5
+MICRO_BATCHES = 2  # the schedule pipelines them (warm-up / steady state / cool-down)
+TOKENS = BATCH * SEQ  # per micro-batch
+TIMEOUT_S = 120
+_GPT_KWARGS = dict(share_embeddings_and_output_weights=False)
+
+
+def _free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_pipeline_stages_report_global_layers_and_reduce_consistently():
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    context = mp.spawn(_worker, args=(port,), nprocs=PP, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"two-rank pipeline test did not finish within {TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+# -- one rank ---------------------------------------------------------------------------------------------------
+
+
+def _worker(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(PP))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=datetime.timedelta(seconds=TIMEOUT_S // 2))
+    try:
+        _check_rank(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_rank(rank: int) -> None:
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+    # Reference: the whole model (PP = 1; the two ranks are data-parallel replicas of it), its logits and routes.
+    with megatron_cpu():
+        whole = tiny_gpt_moe(num_layers=LAYERS, gpt_kwargs=_GPT_KWARGS)
+        whole_logits, whole_routes = _record_whole(whole, input_ids)
+        whole_state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in whole.state_dict().items()}
+        del whole
+
+    with megatron_cpu(pipeline_model_parallel_size=PP), _schedule_on_cpu():
+        _check_stage(rank, input_ids, whole_logits, whole_routes, whole_state)
+
+
+def _check_stage(rank, input_ids, whole_logits, whole_routes, whole_state) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from verl.utils.megatron.router_replay_utils import get_current_rank_layer_info, iter_model_routers
+
+    from respo_verl.megatron.routing import RouteDriftMonitor, find_replay_routers
+
+    first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+    assert mpu.get_pipeline_model_parallel_rank() == rank and (first, last) == (rank == 0, rank == PP - 1)
+    stage = tiny_gpt_moe(
+        num_layers=LAYERS,
+        pipeline_model_parallel_size=PP,
+        pipeline_dtype=torch.float32,
+        batch_p2p_comm=False,
+        gpt_kwargs=dict(_GPT_KWARGS, pre_process=first, post_process=last),
+    )
+    per_stage = LAYERS // PP
+    expected = list(range(rank * per_stage, (rank + 1) * per_stage))
+
+    # (1) Megatron's, verl's and our layer bookkeeping agree on this stage's global layers.
+    offset = get_transformer_layer_offset(stage.config)
+    assert list(range(offset, offset + per_stage)) == expected
+    assert get_current_rank_layer_info(stage.config) == {"start": expected[0], "end": expected[-1] + 1, "count": 2}
+    assert sorted(number - 1 for number, _ in iter_model_routers([stage])) == expected
+    routers = find_replay_routers([stage])
+    assert sorted(routers) == expected
+    own = [module for module in stage.modules() if isinstance(module, TopKRouter)]
+    assert {id(r) for r in routers.values()} == {id(r) for r in own} and len(own) == per_stage
+    stage.load_state_dict(_stage_state(stage, whole_state, offset), strict=True)
+
+    monitor = RouteDriftMonitor.attach([stage])
+    assert monitor.layers == tuple(expected)
+    assert all(getattr(r.router_replay, "_respo_route_drift_monitor", None) is monitor for r in own)
+    layer_keys = {key for key in monitor.metrics(reset=False) if "/layer_" in key}
+    assert layer_keys == {f"actor/routing/{name}/layer_{layer}" for name in _PER_LAYER for layer in expected}
+
+    # The stage reproduces the whole model: same logits on the last stage, same routes under the same global index.
+    logits, routes = _pipeline_record(stage, input_ids)
+    assert routes.keys() == set(expected)
+    for layer in expected:
+        assert torch.equal(routes[layer], whole_routes[layer]), layer
+    if last:
+        torch.testing.assert_close(logits, whole_logits, rtol=1e-5, atol=1e-5)
+
+    # (2) A constructed drift in global layer 3 (stage 1): m/n there, 0 elsewhere, on the stage that holds it.
+    drifted = {layer: (_flip(idx, range(FLIPS)) if layer == DRIFT_LAYER else idx) for layer, idx in routes.items()}
+    with monitor.step():
+        _pipeline_replay(stage, input_ids, drifted)
+    _clear(stage)
+    local = monitor.metrics()
+    assert local["actor/routing/replayed_tokens"] == MICRO_BATCHES * TOKENS
+    for layer in expected:
+        flip = FLIPS / TOKENS if layer == DRIFT_LAYER else 0.0
+        assert local[f"actor/routing/flip_frac/layer_{layer}"] == flip, (layer, local)
+        assert local[f"actor/routing/overlap/layer_{layer}"] == pytest.approx(1 - flip / TOP_K)
+        assert (local[f"actor/routing/prob_mass_delta/layer_{layer}"] < 0) == (layer == DRIFT_LAYER)
+    assert local["actor/routing/any_layer_flip_frac"] == (FLIPS / TOKENS if DRIFT_LAYER in expected else 0.0)
+    monitor.remove()
+
+    # (3) The engine patch all-reduces the per-layer counts: both ranks end with the same, whole-model metrics.
+    metrics = _engine_step(stage, input_ids, drifted)
+    per_layer = {f"routing/{name}/layer_{layer}" for name in _PER_LAYER for layer in range(LAYERS)}
+    assert per_layer <= metrics.keys(), sorted(metrics)
+    for layer in range(LAYERS):
+        assert metrics[f"routing/flip_frac/layer_{layer}"] == (FLIPS / TOKENS if layer == DRIFT_LAYER else 0.0)
+    assert metrics["routing/flip_frac"] == pytest.approx(FLIPS / (LAYERS * TOKENS))
+    assert metrics["routing/replayed_tokens"] == MICRO_BATCHES * TOKENS  # per stage, not summed over stages
+    assert "routing/any_layer_flip_frac" not in metrics
+    assert metrics["routing/any_layer_flip_frac/pp_stage_0"] == 0.0
+    assert metrics["routing/any_layer_flip_frac/pp_stage_1"] == FLIPS / TOKENS
+    gathered = [None] * PP
+    dist.all_gather_object(gathered, metrics)
+    assert gathered[0].keys() == gathered[1].keys()
+    for key in gathered[0]:
+        same = gathered[0][key] == gathered[1][key] or (math.isnan(gathered[0][key]) and math.isnan(gathered[1][key]))
+        assert same, (key, gathered[0][key], gathered[1][key])
+
+
+_PER_LAYER = ("flip_frac", "overlap", "prob_mass_delta")
+
+
+def _stage_state(stage, whole_state: dict, offset: int) -> dict:
+    """The whole model's weights under the stage's names: local layer ``i`` is global layer ``offset + i``."""
+    state = {}
+    for key in stage.state_dict():
+        source = key
+        if key.startswith("decoder.layers."):
+            local, rest = key[len("decoder.layers.") :].split(".", 1)
+            source = f"decoder.layers.{int(local) + offset}.{rest}"
+        state[key] = whole_state[source]
+    return state
+
+
+# -- routing replay helpers (megatron-core's native RouterReplay) -----------------------------------------------
+
+
+def _set_action(model, name: str | None) -> None:
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from respo_verl.megatron.routing import find_replay_routers
+
+    for router in find_replay_routers([model]).values():
+        router.router_replay.router_replay_action = None if name is None else RouterReplayAction[name]
+
+
+def _clear(model) -> None:
+    from respo_verl.megatron.routing import find_replay_routers
+
+    for router in find_replay_routers([model]).values():
+        router.router_replay.clear_indices()
+        router.router_replay.router_replay_action = None
+
+
+def _recorded(model) -> dict[int, torch.Tensor]:
+    from respo_verl.megatron.routing import find_replay_routers
+
+    return {layer: r.router_replay.recorded_topk_idx.clone() for layer, r in find_replay_routers([model]).items()}
+
+
+def _flip(topk_idx: torch.Tensor, tokens) -> torch.Tensor:
+    """Replace the last expert of each given token by one outside its top-k: that token's set flips."""
+    flipped = topk_idx.clone()
+    for t in tokens:
+        flipped[t, -1] = next(e for e in range(NUM_EXPERTS) if e not in topk_idx[t].tolist())
+    return flipped
+
+
+def _record_whole(model, input_ids):
+    _set_action(model, "RECORD")
+    with torch.no_grad():
+        logits = forward(model, input_ids)
+    routes = _recorded(model)
+    _clear(model)
+    return logits, routes
+
+
+# -- megatron's pipeline schedule on CPU ------------------------------------------------------------------------
+
+
+class _CpuTorch:
+    """``torch`` as megatron's ``schedules`` module sees it, with ``device="cuda"`` allocations on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+def _schedule_on_cpu():
+    from unittest import mock
+
+    from megatron.core.pipeline_parallel import schedules
+
+    return mock.patch.object(schedules, "torch", _CpuTorch())
+
+
+def _run_schedule(model, input_ids, forward_only: bool) -> list:
+    """Run ``MICRO_BATCHES`` copies of ``input_ids`` through megatron's pipeline schedule; the last stage returns
+    each micro-batch's logits (in ``{"logits": ...}``), the other stages an empty list."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, stage_model):
+        output = forward(stage_model, next(data_iterator))  # hidden states on stage 0, logits on the last stage
+
+        def loss_func(logits):
+            return logits.square().mean(), {"logits": logits.detach()}
+
+        return output, loss_func
+
+    with torch.set_grad_enabled(not forward_only):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([input_ids] * MICRO_BATCHES),
+            model=[model],
+            num_microbatches=MICRO_BATCHES,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            forward_only=forward_only,
+        )
+
+
+def _pipeline_record(model, input_ids):
+    _set_action(model, "RECORD")
+    outputs = _run_schedule(model, input_ids, forward_only=True)
+    routes = _recorded(model)  # both micro-batches are the same tokens: the last record is the routes of either
+    _clear(model)
+    logits = outputs[-1]["logits"] if outputs else None
+    return logits, routes
+
+
+def _set_routes(model, routes) -> None:
+    from respo_verl.megatron.routing import find_replay_routers
+
+    for layer, router in find_replay_routers([model]).items():
+        router.router_replay.set_target_indices(routes[layer])
+
+
+def _pipeline_replay(model, input_ids, routes, forward_only: bool = True) -> list:
+    _set_routes(model, routes)
+    _set_action(model, "REPLAY_FORWARD")
+    return _run_schedule(model, input_ids, forward_only=forward_only)
+
+
+# -- the engine patch ---------------------------------------------------------------------------------------------
+
+
+def _engine_step(stage, input_ids, routes) -> dict[str, float]:
+    """One training call of verl's ``MegatronEngine`` through our patch; the engine's CUDA-only body is replaced by a
+    stand-in that replays ``routes`` through the pipeline schedule (forward and backward) and clears them."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine, MegatronEngineWithLMHead
+
+    from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as patch
+
+    def stand_in(self, data, loss_function, forward_only=False):
+        try:
+            _pipeline_replay(self.module[0], input_ids, routes, forward_only=forward_only)
+        finally:
+            _clear(self.module[0])
+        return {"model_output": {}, "loss": [0.0], "metrics": {}}
+
+    verl_body = vars(MegatronEngine)["forward_backward_batch"]
+    MegatronEngine.forward_backward_batch = stand_in
+    try:
+        assert patch.apply()
+        engine = object.__new__(MegatronEngineWithLMHead)
+        engine.module = [stage]
+        engine.enable_routing_replay = True
+        engine.tf_config = stage.config
+        engine.is_mp_src_rank_with_outputs = lambda: True  # every rank hands back its metrics, to compare them
+        data = _replay_batch(input_ids)
+        output = engine.forward_backward_batch(data, loss_function=None, forward_only=False)
+    finally:
+        patch.remove()
+        MegatronEngine.forward_backward_batch = verl_body
+    stage.zero_grad(set_to_none=True)
+    return {key: value[0] for key, value in output["metrics"].items()}
+
+
+def _replay_batch(input_ids):
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    data = TensorDict({"input_ids": input_ids}, batch_size=[BATCH])
+    tu.assign_non_tensor(data, enable_routing_replay=True)
+    return data
