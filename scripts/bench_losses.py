@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from bench_common import cpu_name, quartiles
 
 # (registry name, algorithm preset); the first is the reference of every ratio.
 LOSSES = (("vanilla", "grpo"), ("gspo", "gspo"), ("respo", "respo"), ("vespo", "vespo"))
@@ -147,24 +148,6 @@ def peak_extra_bytes(loss_fn: Any, config: Any, inputs: Inputs, cuda: bool) -> i
         live += event.nbytes()
         peak = max(peak, live)
     return peak
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

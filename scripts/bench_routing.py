@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_common import cpu_name, quartiles
 
 CONDITIONS = ("no_replay", "replay", "replay_diag")
 MODELS = ("hf", "megatron")
@@ -288,26 +289,6 @@ class MegatronBench:
             if monitor is not None:
                 monitor.remove()
         return elapsed, loss.item(), metrics
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    """(Q1, median, Q3) with the inclusive method; a single value is all three."""
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo, or what ``platform`` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def version(dist: str) -> str:
