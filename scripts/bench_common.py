@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 
@@ -24,3 +25,11 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_json(report: dict, path: str | None) -> None:
+    """Write ``report`` to ``path`` (if given) and say where."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nJSON written to {path}")

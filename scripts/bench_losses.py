@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import shlex
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from bench_common import cpu_name, quartiles
+from bench_common import cpu_name, quartiles, write_json
 
 # (registry name, algorithm preset); the first is the reference of every ratio.
 LOSSES = (("vanilla", "grpo"), ("gspo", "gspo"), ("respo", "respo"), ("vespo", "vespo"))
@@ -296,10 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     target = {"loss": target_name, "max_ratio": target_ratio, "achieved": achieved, "met": achieved <= target_ratio}
     report = {"env": env, "setup": setup, "memory_measure": memory_note, "results": results, "target": target}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"\nJSON written to {args.json}")
+    write_json(report, args.json)
     return report
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import shlex
@@ -51,7 +50,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_common import cpu_name, quartiles
+from bench_common import cpu_name, quartiles, write_json
 
 CONDITIONS = ("no_replay", "replay", "replay_diag")
 MODELS = ("hf", "megatron")
@@ -470,10 +469,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     setup = {k: v for k, v in vars(args).items() if k != "json"} | {"tokens": tokens}
     report = {"env": env, "setup": setup, "models": setups, "results": results, "target": target}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"\nJSON written to {args.json}")
+    write_json(report, args.json)
     return report
 
 

@@ -1,4 +1,7 @@
-"""Summary of ``respo-verl mini`` runs: the Markdown table and the score plot, read from the JSONL logs."""
+"""Summary of ``respo-verl mini`` runs: the Markdown table and the score plot, from the records each run logged.
+
+The comparison report across runs (late score in the paper's window, deltas to VESPO) is ``respo-verl report``.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 # The paper's "late score" is the mean over the last 128 of 1024 optimizer steps; with shorter runs we use the same
 # share of the run on both ends: the first and the last quarter of the optimizer steps.
 WINDOW_SHARE = 0.25
 ALGORITHM_ORDER = ("grpo", "gspo", "vespo", "respo")
 COLORS = {"grpo": "tab:blue", "gspo": "tab:green", "vespo": "tab:orange", "respo": "tab:red"}
-
-
-def read_log(path: Path) -> list[dict[str, Any]]:
-    """Records ``{"step": ..., "data": {...}}`` of one JSONL log, in order."""
-    with open(path, "rb") as f:
-        return [orjson.loads(line) for line in f if line.strip()]
 
 
 def _window(values: Sequence[float], where: str) -> list[float]:
