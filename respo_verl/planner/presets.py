@@ -11,6 +11,8 @@ from importlib import resources
 
 from omegaconf import DictConfig
 
+from respo_verl.compose import ComposeError, compose_job
+
 # Usable memory per GPU as the driver reports it (nvidia-smi total), in GiB.
 H100_80GB_GIB = 79.6  # 81559 MiB
 H200_141GB_GIB = 140.4  # 143771 MiB
@@ -54,26 +56,13 @@ def compose_preset(preset: str, overrides: list[str] | tuple[str, ...] = (), alg
     Raises:
         PresetError: unknown preset, or an override Hydra rejects (the message is Hydra's, without its traceback).
     """
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     known = shipped_presets()
     if preset not in known:
         raise PresetError(f"unknown preset {preset!r}; shipped presets: {', '.join(known)}")
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise PresetError(f"override(s) {bad} are not of the form key=value (Hydra syntax, e.g. trainer.nnodes=2)")
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module=CONF_PACKAGE, version_base=None):
-            return compose(
-                config_name="respo_trainer",
-                overrides=[f"algorithm={algorithm}", f"+{CLUSTER_GROUP}={preset}", *overrides],
-            )
-    except (HydraException, OmegaConfBaseException) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise PresetError(f"cannot compose preset {preset!r} with overrides {list(overrides)}: {first_line}") from None
-    finally:
-        GlobalHydra.instance().clear()
+        return compose_job("respo", [f"algorithm={algorithm}", f"+{CLUSTER_GROUP}={preset}", *overrides])
+    except ComposeError as err:
+        raise PresetError(f"cannot compose preset {preset!r} with overrides {list(overrides)}: {err}") from None
