@@ -1,15 +1,11 @@
-"""Per-run and per-(algorithm, N) statistics in the paper's protocol (SPEC §5).
+"""Per-run and per-(algorithm, N) statistics in the paper's protocol (ReSPO paper, arXiv 2609.35433).
 
-Scores: verl logs the mean sequence score of each rollout batch (``critic/score/mean``; the paper's reward is ±1)
-once per training step; the paper reports (reward + 1) / 2. One training step is N optimizer updates, so the
-training-step curve is expanded N-fold onto optimizer steps before the windows are taken: the late score is the
-mean over the last 128 optimizer steps, the early score over the first 256, the area under the curve the mean over
-all of them.
+The per-run windows (late = last 128 optimizer updates, early = first 256, AUC = all) are
+:mod:`respo_verl.runs.stats`; here they are grouped over seeds and compared with the baseline.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import statistics
@@ -18,39 +14,45 @@ from dataclasses import dataclass, field
 
 from scipy import stats as scipy_stats
 
-from respo_verl.report.logs import RunLog
-from respo_verl.sweep.manifest import RunRecord
+from respo_verl import algorithms
+from respo_verl.runs.logs import LogError, RunLog, log_step, logged_reuse
+from respo_verl.runs.manifest import RunRecord
+from respo_verl.runs.stats import LATE_WINDOW, SCORE_KEY, per_update, score_curve, window_stats
 
-SCORE_KEY = "critic/score/mean"
 LENGTH_KEY = "response_length/mean"
-# Window sizes of the paper, in optimizer steps.
-LATE_WINDOW = 128
-EARLY_WINDOW = 256
 # verl's learning-rate metric: runs of one group that log different values were configured differently.
 CONFIG_SENSITIVE_KEYS = ("actor/lr",)
 VAL_PATTERN = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
 STARVED_MASS_PATTERN = re.compile(r"^actor/(?P<loss>[^/]+)/starved_mass_share$")
-NAME_PATTERN = re.compile(r"(?P<algorithm>respo|vespo|grpo|gspo)[-_]n(?P<reuse>\d+)[-_]s(?:eed)?(?P<seed>\d+)")
-BASELINE = "vespo"
+NAME_PATTERN = re.compile(
+    rf"(?P<algorithm>{'|'.join(algorithms.ALGORITHMS)})[-_]n(?P<reuse>\d+)[-_]s(?:eed)?(?P<seed>\d+)"
+)
 CONFIDENCE = 0.95
 
 
 @dataclass
 class RunSummary:
+    """One run's numbers; every curve is per optimizer update (``len(curve)`` = updates logged)."""
+
     name: str
     algorithm: str
     reuse: int
     seed: int
     config_hash: str | None
-    curve: list[float]  # (optimizer steps,) score in [0, 1]
+    log_step: str
+    curve: list[float]  # (optimizer updates,) score in [0, 1]
     late: float
     early: float
     auc: float
     length: float | None
-    starved_mass: float | None
+    starved_mass_curve: list[float] | None  # (optimizer updates,) share in [0, 1], when the loss logs it
     val: dict[str, float]
     complete: bool | None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def starved_mass(self) -> float | None:
+        return statistics.fmean(self.starved_mass_curve) if self.starved_mass_curve else None
 
 
 @dataclass
@@ -82,64 +84,56 @@ def identify(run: RunLog, record: RunRecord | None) -> tuple[str, int, int]:
     return match["algorithm"], int(match["reuse"]), int(match["seed"])
 
 
-def score_curve(
-    run: RunLog, reuse: int, score_key: str, reward_range: str, log_step: str = "training"
-) -> tuple[list[float], list[str]]:
-    """Per-optimizer-step score in [0, 1] and notes (gaps in the logged steps).
-
-    A ``training``-step log has one line per rollout batch, expanded N-fold; an ``optimizer``-step log
-    (``respo-verl mini``) already has one line per update.
-    """
-    series = run.series(score_key)
-    if not series:
-        raise KeyError(score_key)
-    notes = []
-    steps = sorted(series)
-    gaps = [b for a, b in itertools.pairwise(steps) if b != a + 1]
-    if gaps:
-        notes.append(f"training steps missing before {gaps[:5]} in {score_key}; the curve joins the logged steps")
-    to_unit = (lambda r: (r + 1.0) / 2.0) if reward_range == "pm1" else (lambda r: r)
-    repeat = reuse if log_step == "training" else 1
-    curve = [to_unit(series[s]) for s in steps for _ in range(repeat)]
-    return curve, notes
-
-
-def _mean_of_last(series: dict[int, float]) -> float | None:
+def _last(series: dict[int, float]) -> float | None:
     return series[max(series)] if series else None
 
 
 def summarise_run(
     run: RunLog, record: RunRecord | None, score_key: str = SCORE_KEY, reward_range: str = "pm1"
 ) -> RunSummary:
+    """Summarise one log.
+
+    Raises:
+        ValueError: the run cannot be identified (no manifest record, no parsable name).
+        LogError: the log contradicts the manifest or itself (step unit, N), or a score lies outside
+            ``reward_range``.
+        KeyError: ``score_key`` is not in the log.
+    """
     algorithm, reuse, seed = identify(run, record)
-    log_step = record.log_step if record is not None else "training"
-    curve, notes = score_curve(run, reuse, score_key, reward_range, log_step)
+    unit = log_step(run, record.log_step if record is not None else None)
+    logged = logged_reuse(run)
+    if logged is not None and logged != reuse:
+        source = "manifest" if record is not None else "file name"
+        raise LogError(f"{run.path}: the {source} says N = {reuse}, the log says N = {logged}")
+    curve, notes = score_curve(run, reuse, unit, score_key, reward_range)
     complete = None
     if record is not None:
         complete = run.last_step >= record.last_log_step
         if not complete:
-            notes.append(f"incomplete: {run.last_step} of {record.last_log_step} {log_step} steps logged")
-    if len(curve) < LATE_WINDOW:
-        notes.append(f"only {len(curve)} optimizer steps: the late window covers the whole run")
+            notes.append(f"incomplete: {run.last_step} of {record.last_log_step} {unit} steps logged")
+    windows = window_stats(curve)
+    if windows.updates < LATE_WINDOW:
+        notes.append(f"only {windows.updates} optimizer steps: the late window covers the whole run")
     lengths = run.series(LENGTH_KEY)
-    starved = [v for k, v in run.metrics.items() if STARVED_MASS_PATTERN.match(k)]
+    starved_keys = sorted(k for k in run.metrics if STARVED_MASS_PATTERN.match(k))
     val = {}
     for key, series in run.metrics.items():
         match = VAL_PATTERN.match(key)
         if match:
-            val[f"{match['source']}/{match['var']}@{match['n']}"] = _mean_of_last(series)
+            val[f"{match['source']}/{match['var']}@{match['n']}"] = _last(series)
     return RunSummary(
         name=record.name if record else run.path.stem,
         algorithm=algorithm,
         reuse=reuse,
         seed=seed,
         config_hash=record.config_hash if record else None,
+        log_step=unit,
         curve=curve,
-        late=statistics.fmean(curve[-LATE_WINDOW:]),
-        early=statistics.fmean(curve[:EARLY_WINDOW]),
-        auc=statistics.fmean(curve),
-        length=statistics.fmean(lengths.values()) if lengths else None,
-        starved_mass=statistics.fmean(starved[0].values()) if starved else None,
+        late=windows.late,
+        early=windows.early,
+        auc=windows.auc,
+        length=statistics.fmean(per_update(lengths, reuse, unit)[0]) if lengths else None,
+        starved_mass_curve=per_update(run.series(starved_keys[0]), reuse, unit)[0] if starved_keys else None,
         val=val,
         complete=complete,
         notes=notes,
@@ -219,7 +213,7 @@ def summarise_groups(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[l
                 val={k: statistics.fmean(v) for k, v in vals.items()},
             )
         )
-    baseline = {g.reuse: g for g in groups if g.algorithm == BASELINE}
+    baseline = {g.reuse: g for g in groups if g.algorithm == algorithms.BASELINE}
     for g in groups:
         base = baseline.get(g.reuse)
         if base is None or g is base:

@@ -8,15 +8,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from respo_verl.report.analysis import (
-    SCORE_KEY,
-    RunSummary,
-    summarise_groups,
-    summarise_run,
-)
-from respo_verl.report.logs import RunLog, read_log
+from respo_verl.report.analysis import RunSummary, summarise_groups, summarise_run
 from respo_verl.report.render import markdown_report, plot_scores, plot_starved_mass
-from respo_verl.sweep.manifest import MANIFEST_NAME, RunRecord, read_manifest
+from respo_verl.runs.logs import LogError, RunLog, read_log
+from respo_verl.runs.manifest import MANIFEST_NAME, RunRecord, read_manifest
+from respo_verl.runs.stats import REWARD_RANGES, SCORE_KEY
 
 
 class ReportError(Exception):
@@ -32,9 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--score-key", default=SCORE_KEY, help=f"training-score metric (default {SCORE_KEY})")
     p.add_argument(
         "--reward-range",
-        choices=("pm1", "01"),
+        choices=sorted(REWARD_RANGES),
         default="pm1",
-        help="pm1: the score metric is a ±1 reward, reported as (r+1)/2 (the paper); 01: already in [0, 1]",
+        help="pm1: the score metric is a reward in [-1, 1], reported as (r+1)/2 (the paper); 01: already in [0, 1]. "
+        "A logged value outside the declared range stops the report",
     )
     p.add_argument("--metric", action="append", default=[], help="extra metric to tabulate (mean over the run)")
     p.add_argument("--no-plots", action="store_true")
@@ -42,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _collect(paths: list[Path], manifests: list[Path]) -> tuple[list[Path], list[Path]]:
+    for manifest in manifests:
+        if not manifest.is_file():
+            raise ReportError(f"--manifest {manifest}: no such file")
     logs, found_manifests = [], list(manifests)
     for path in paths:
         if path.is_dir():
@@ -84,7 +84,7 @@ def build_report(args: argparse.Namespace) -> tuple[str, list[Path]]:
     for path in log_paths:
         try:
             log = read_log(path)
-        except ValueError as exc:
+        except LogError as exc:
             skipped.append(f"{path}: {exc}")
             continue
         skipped += log.skipped
@@ -103,7 +103,9 @@ def build_report(args: argparse.Namespace) -> tuple[str, list[Path]]:
         except KeyError:
             skipped.append(f"{log.path}: no {args.score_key} values; run left out")
             continue
-        except ValueError as exc:
+        except LogError as exc:  # the log contradicts its manifest or the declared range: no number is safe
+            raise ReportError(str(exc)) from None
+        except ValueError as exc:  # not identifiable: listed, left out
             skipped.append(str(exc))
             continue
         if summary.name in logs_by_run:
@@ -113,7 +115,7 @@ def build_report(args: argparse.Namespace) -> tuple[str, list[Path]]:
     seen = {log.path.resolve() for log in logs}
     skipped += [f"{r.name}: in the manifest but no log at {p}" for p, r in records.items() if p not in seen]
     groups, refused = summarise_groups(runs, logs_by_run)
-    text = markdown_report(groups, runs, refused, skipped)
+    text = markdown_report(groups, runs, refused, skipped, args.reward_range)
     if args.metric:
         text += "\n## Requested metrics (mean over the run, mean over seeds)\n\n"
         text += "| method | N | " + " | ".join(args.metric) + " |\n|---|---|" + "---|" * len(args.metric) + "\n"
@@ -123,14 +125,17 @@ def build_report(args: argparse.Namespace) -> tuple[str, list[Path]]:
                 per_run = [statistics.fmean(s.values()) for r in g.runs if (s := logs_by_run[r.name].series(name))]
                 cells.append(f"{statistics.fmean(per_run):.4g}" if per_run else "—")
             text += f"| {g.algorithm} | {g.reuse} | " + " | ".join(cells) + " |\n"
-    args.out.mkdir(parents=True, exist_ok=True)
     outputs = [args.out / "report.md"]
-    outputs[0].write_text(text)
-    if not args.no_plots and groups:
-        outputs += plot_scores(groups, args.out)
-        mass = plot_starved_mass(groups, logs_by_run, args.out)
-        if mass is not None:
-            outputs.append(mass)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        outputs[0].write_text(text)
+        if not args.no_plots and groups:
+            outputs += plot_scores(groups, args.out)
+            mass = plot_starved_mass(groups, args.out)
+            if mass is not None:
+                outputs.append(mass)
+    except OSError as exc:
+        raise ReportError(f"--out {args.out}: cannot write there ({exc.strerror or exc})") from None
     return text, outputs
 
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from respo_verl.report.analysis import BASELINE, CONFIDENCE, EARLY_WINDOW, LATE_WINDOW, GroupSummary, RunSummary
+from respo_verl import algorithms
+from respo_verl.report.analysis import CONFIDENCE, GroupSummary, RunSummary
+from respo_verl.runs.stats import EARLY_WINDOW, LATE_WINDOW
 
-ALGORITHM_ORDER = ("respo", "vespo", "grpo", "gspo")
-DISPLAY = {"respo": "ReSPO", "vespo": "VESPO", "grpo": "GRPO", "gspo": "GSPO"}
+
+def _order(algorithm: str) -> int:
+    return algorithms.order(algorithm)
 
 
-def _order(algorithm: str) -> tuple[int, str]:
-    return (ALGORITHM_ORDER.index(algorithm) if algorithm in ALGORITHM_ORDER else len(ALGORITHM_ORDER), algorithm)
+def _display(algorithm: str) -> str:
+    return algorithms.display_name(algorithm)
 
 
 def _pct(x: float | None, digits: int = 2) -> str:
@@ -26,7 +31,7 @@ def late_score_table(groups: list[GroupSummary]) -> str:
     header = "| method | " + " | ".join(f"N = {n}" for n in reuses) + " |"
     lines = [header, "|---|" + "---|" * len(reuses)]
     for algorithm in sorted({g.algorithm for g in groups}, key=_order):
-        row = [DISPLAY.get(algorithm, algorithm)]
+        row = [_display(algorithm)]
         for n in reuses:
             g = cells.get((algorithm, n))
             if g is None:
@@ -48,7 +53,7 @@ def detail_table(groups: list[GroupSummary]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for g in sorted(groups, key=lambda g: (g.reuse, _order(g.algorithm))):
         row = [
-            DISPLAY.get(g.algorithm, g.algorithm),
+            _display(g.algorithm),
             str(g.reuse),
             ",".join(str(r.seed) for r in g.runs),
             _pct(g.late_mean),
@@ -62,20 +67,27 @@ def detail_table(groups: list[GroupSummary]) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(groups: list[GroupSummary], runs: list[RunSummary], refused: list[str], skipped: list[str]) -> str:
+def markdown_report(
+    groups: list[GroupSummary],
+    runs: list[RunSummary],
+    refused: list[str],
+    skipped: list[str],
+    reward_range: str = "pm1",
+) -> str:
+    score = "(reward + 1) / 2" if reward_range == "pm1" else "the score"
     parts = [
         "## Late training score (%)",
         "",
-        f"Mean of (reward + 1) / 2 over the last {LATE_WINDOW} optimizer steps of each run; mean ± std over seeds "
-        f"(n = seeds); second line: difference to {DISPLAY[BASELINE]} at the same N in percentage points with a "
-        f"{int(CONFIDENCE * 100)}% Welch t interval.",
+        f"Mean of {score} over the last {LATE_WINDOW} optimizer updates of each run; mean ± std over seeds "
+        f"(n = seeds); second line: difference to {_display(algorithms.BASELINE)} at the same N in percentage points "
+        f"with a {int(CONFIDENCE * 100)}% Welch t interval.",
         "",
         late_score_table(groups) if groups else "(no group to report)",
         "",
         "## Details",
         "",
-        f"early: first {EARLY_WINDOW} optimizer steps; AUC: mean score over all optimizer steps; resp. length: mean "
-        "response length over the run; starved mass share: share of the coefficient mass Σφ·|A|·tokens held by "
+        f"early: first {EARLY_WINDOW} optimizer updates; AUC: mean score over all optimizer updates; resp. length: "
+        "mean response length over the run; starved mass share: share of the coefficient mass Σφ·|A|·tokens held by "
         "positive responses with log W < −1, mean over the run (logged by the respo/vespo losses); validation "
         "columns: last logged value.",
         "",
@@ -92,37 +104,87 @@ def markdown_report(groups: list[GroupSummary], runs: list[RunSummary], refused:
     return "\n".join(parts) + "\n"
 
 
-def plot_scores(groups: list[GroupSummary], out_dir: Path) -> list[Path]:
-    """One PNG per N: mean score over seeds against optimizer step per algorithm, ± std band."""
+@dataclass(frozen=True)
+class Band:
+    """Mean over seeds of per-update curves, ± 1 std (std 0 where one seed covers the update)."""
+
+    steps: list[int]  # optimizer updates 1..len
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+    seeds: int
+
+
+def mean_band(curves: Sequence[Sequence[float]]) -> Band:
+    """Per-update mean and ± 1 std over the given curves; runs of unequal length contribute where they exist."""
+    horizon = max(len(c) for c in curves)
+    mean, low, high = [], [], []
+    for i in range(horizon):
+        values = [c[i] for c in curves if i < len(c)]
+        m = statistics.fmean(values)
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        mean.append(m)
+        low.append(m - sd)
+        high.append(m + sd)
+    return Band(list(range(1, horizon + 1)), mean, low, high, len(curves))
+
+
+def score_bands(groups: list[GroupSummary]) -> dict[tuple[str, int], Band]:
+    """(algorithm, N) -> band of the score curves (fraction in [0, 1])."""
+    return {(g.algorithm, g.reuse): mean_band([r.curve for r in g.runs]) for g in groups}
+
+
+def starved_mass_bands(groups: list[GroupSummary]) -> dict[tuple[str, int], Band]:
+    """(algorithm, N) -> band of the starved-mass-share curves, for the groups whose loss logs it."""
+    bands = {}
+    for g in groups:
+        curves = [r.starved_mass_curve for r in g.runs if r.starved_mass_curve]
+        if curves:
+            bands[(g.algorithm, g.reuse)] = mean_band(curves)
+    return bands
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _draw(ax, bands: dict[tuple[str, int], Band], scale: float) -> None:
+    for (algorithm, _), band in sorted(bands.items(), key=lambda kv: _order(kv[0][0])):
+        color = algorithms.get(algorithm).color
+        label = f"{_display(algorithm)} ({band.seeds} seed{'s' if band.seeds > 1 else ''})"
+        ax.plot(band.steps, [scale * v for v in band.mean], color=color, lw=1.4, label=label)
+        if band.seeds > 1:
+            ax.fill_between(
+                band.steps, [scale * v for v in band.low], [scale * v for v in band.high], color=color, alpha=0.2, lw=0
+            )
+    ax.set_xlim(1, max(b.steps[-1] for b in bands.values()))
+    ax.set_xlabel("optimizer update")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def score_figure(groups: list[GroupSummary], reuse: int):
+    """Score (%) against optimizer update for the groups at one N: mean over seeds per algorithm, ± 1 std band."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _draw(ax, {k: b for k, b in score_bands(groups).items() if k[1] == reuse}, 100.0)
+    ax.set_ylabel("training score % (reward + 1) / 2")
+    ax.set_title(f"N = {reuse}: mean over seeds, band ± 1 std")
+    fig.tight_layout()
+    return fig
+
+
+def plot_scores(groups: list[GroupSummary], out_dir: Path) -> list[Path]:
+    """One PNG per N (``score_n<N>.png``)."""
+    plt = _pyplot()
     paths = []
-    by_reuse = defaultdict(list)
-    for g in groups:
-        by_reuse[g.reuse].append(g)
-    for reuse, members in sorted(by_reuse.items()):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for g in sorted(members, key=lambda g: _order(g.algorithm)):
-            horizon = max(len(r.curve) for r in g.runs)
-            mean, low, high = [], [], []
-            for i in range(horizon):
-                values = [r.curve[i] for r in g.runs if i < len(r.curve)]
-                m = sum(values) / len(values)
-                sd = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-                mean.append(m)
-                low.append(m - sd)
-                high.append(m + sd)
-            steps = range(1, horizon + 1)
-            (line,) = ax.plot(steps, mean, label=f"{DISPLAY.get(g.algorithm, g.algorithm)} ({len(g.runs)} seeds)")
-            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("training score (reward + 1) / 2")
-        ax.set_title(f"N = {reuse}: mean over seeds, band ± 1 std")
-        ax.legend()
-        fig.tight_layout()
+    for reuse in sorted({g.reuse for g in groups}):
+        fig = score_figure(groups, reuse)
         path = out_dir / f"score_n{reuse}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -130,36 +192,30 @@ def plot_scores(groups: list[GroupSummary], out_dir: Path) -> list[Path]:
     return paths
 
 
-def plot_starved_mass(groups: list[GroupSummary], logs_by_run: dict, out_dir: Path) -> Path | None:
-    """Starved coefficient-mass share against optimizer step, for runs whose loss logs it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from respo_verl.report.analysis import STARVED_MASS_PATTERN
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = 0
-    for g in sorted(groups, key=lambda g: (g.reuse, _order(g.algorithm))):
-        for r in g.runs:
-            log = logs_by_run[r.name]
-            keys = [k for k in log.metrics if STARVED_MASS_PATTERN.match(k)]
-            if not keys:
-                continue
-            series = log.series(keys[0])
-            steps = sorted(series)
-            ax.plot([s * g.reuse for s in steps], [100 * series[s] for s in steps], alpha=0.7,
-                    label=f"{DISPLAY.get(g.algorithm, g.algorithm)} N={g.reuse} s{r.seed}")  # fmt: skip
-            drawn += 1
-    if not drawn:
-        plt.close(fig)
+def starved_mass_figure(groups: list[GroupSummary]):
+    """Starved positives' share of the coefficient mass (%) against optimizer update: one panel per N, one mean
+    line per algorithm with a ± 1 std band over seeds; None when no loss logged it."""
+    bands = starved_mass_bands(groups)
+    if not bands:
         return None
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("starved positives' share of coefficient mass (%)")
-    ax.legend(fontsize=7, ncol=2)
+    plt = _pyplot()
+    reuses = sorted({n for _, n in bands})
+    fig, axes = plt.subplots(1, len(reuses), figsize=(5 * len(reuses), 3.8), squeeze=False, sharey=True)
+    for ax, reuse in zip(axes[0], reuses):
+        _draw(ax, {k: b for k, b in bands.items() if k[1] == reuse}, 100.0)
+        ax.set_title(f"N = {reuse}")
+    axes[0][0].set_ylabel("starved positives' share of\ncoefficient mass (%)")
+    fig.suptitle("positive responses with log W < −1: mean over seeds, band ± 1 std", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_starved_mass(groups: list[GroupSummary], out_dir: Path) -> Path | None:
+    """``starved_mass_share.png``, or None when no run's loss logs the share."""
+    fig = starved_mass_figure(groups)
+    if fig is None:
+        return None
     path = out_dir / "starved_mass_share.png"
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path

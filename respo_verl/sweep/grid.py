@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from respo_verl.algorithms import ALGORITHMS
 from respo_verl.compose import compose_job
-from respo_verl.sweep.manifest import RunRecord
+from respo_verl.runs.manifest import RunRecord
 
-ALGORITHMS = ("respo", "vespo", "grpo", "gspo")
 PAPER_REUSE = (8, 16, 32)
 PAPER_SEEDS = (0, 1, 2)
 PAPER_MINI_BATCH = 32  # prompts per optimizer update

@@ -7,8 +7,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from respo_verl.report.logs import read_log
-from respo_verl.sweep.manifest import RunRecord
+from respo_verl.runs.logs import LogError, read_log
+from respo_verl.runs.manifest import RunRecord
 
 
 def log_path(record: RunRecord, out_dir: Path) -> Path:
@@ -23,7 +23,7 @@ def is_complete(record: RunRecord, out_dir: Path) -> bool:
         return False
     try:
         return read_log(path).last_step >= record.last_log_step
-    except ValueError:
+    except LogError:
         return False
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from respo_verl.cli import main as cli_main
 from respo_verl.report.analysis import summarise_run, welch_interval
-from respo_verl.report.logs import read_log
-from respo_verl.sweep.manifest import RunRecord, write_manifest
+from respo_verl.runs.logs import read_log
+from respo_verl.runs.manifest import RunRecord, write_manifest
 
 N = 8
 TRAINING_STEPS = 128  # 1024 optimizer steps at N = 8

@@ -6,7 +6,7 @@ import json
 import statistics
 
 from respo_verl.cli import main
-from respo_verl.sweep.manifest import read_manifest
+from respo_verl.runs.manifest import read_manifest
 
 
 def test_report_of_a_mini_smoke_run(tmp_path, capsys):

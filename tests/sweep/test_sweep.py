@@ -12,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from respo_verl.cli import main as cli_main
+from respo_verl.runs.manifest import read_manifest, write_manifest
 from respo_verl.sweep.grid import SweepSpec, expand
-from respo_verl.sweep.manifest import read_manifest, write_manifest
 from respo_verl.sweep.runner import is_complete, run_locally, submit_to_ray
 
 

@@ -1,0 +1,145 @@
+"""Reader for verl's file-logger logs: one JSON object ``{"step": <int>, "data": {<metric>: <value>}}`` per line.
+
+verl writes one line per training step (``trainer.logger=[...,file]``; path ``$VERL_FILE_LOGGER_PATH`` or
+``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``), and a training step is N optimizer updates.
+``respo-verl mini`` writes the same format with one line per optimizer update, and says so in every line:
+``mini/optimizer_step`` equals the line's ``step`` (and ``mini/reuse`` is N). :func:`log_step` reads that marker,
+so a log is never read with the wrong step unit, manifest or not.
+
+A run killed mid-write leaves a truncated last line, and NaN metrics arrive as ``null``: both are expected and
+reported, not fatal. Anything else malformed is skipped with its line number, never guessed at.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# What the ``step`` of a line counts: a training step (one rollout batch, N updates) or one optimizer update.
+LOG_STEPS = ("training", "optimizer")
+# Logged on every line of a per-update log, equal to the line's step.
+OPTIMIZER_STEP_KEY = "mini/optimizer_step"
+# Logged on every line of a per-update log: N of the run.
+REUSE_KEY = "mini/reuse"
+
+
+class LogError(ValueError):
+    """A log that cannot be read as declared (one line naming the file and what is wrong)."""
+
+
+@dataclass
+class RunLog:
+    """Metrics of one run, by logged step.
+
+    Attributes:
+        path: the log file.
+        metrics: metric name -> {step: value}; only finite numbers.
+        skipped: human-readable notes on every line or value that was not used.
+    """
+
+    path: Path
+    metrics: dict[str, dict[int, float]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({s for series in self.metrics.values() for s in series})
+
+    @property
+    def last_step(self) -> int:
+        steps = self.steps
+        return steps[-1] if steps else 0
+
+    def series(self, key: str) -> dict[int, float]:
+        return self.metrics.get(key, {})
+
+
+def read_log(path: Path) -> RunLog:
+    """Parse one file-logger log.
+
+    Raises:
+        LogError: when the file cannot be read or nothing usable is in it.
+    """
+    path = Path(path)
+    run = RunLog(path)
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise LogError(f"{path}: cannot read the log ({exc.strerror or exc})") from None
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for lineno, raw in enumerate(lines, start=1):
+        where = f"{path.name}:{lineno}"
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            truncated = lineno == len(lines) and not raw.rstrip().endswith(b"}")
+            run.skipped.append(f"{where}: {'truncated last line' if truncated else 'not JSON'} ({exc})")
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("data"), dict):
+            run.skipped.append(f"{where}: not a file-logger record (expected {{'step': int, 'data': {{...}}}})")
+            continue
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            run.skipped.append(f"{where}: step {step!r} is not a non-negative integer")
+            continue
+        for key, value in record["data"].items():
+            if value is None:
+                run.skipped.append(f"{where}: {key} is null (NaN when logged)")
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue  # strings and lists (e.g. config dumps) are not metrics
+            if not math.isfinite(value):
+                run.skipped.append(f"{where}: {key} = {value}")
+                continue
+            series = run.metrics.setdefault(key, {})
+            if step in series:
+                run.skipped.append(f"{where}: step {step} of {key} logged twice; the later value is used")
+            series[step] = float(value)
+    if not run.metrics:
+        raise LogError(f"{path}: no usable metric lines ({len(run.skipped)} skipped: {run.skipped[:3]})")
+    return run
+
+
+def log_step(run: RunLog, declared: str | None = None) -> str:
+    """What the ``step`` of ``run``'s lines counts: ``training`` or ``optimizer`` (see the module docstring).
+
+    Args:
+        run: the log.
+        declared: what the manifest says, if there is one.
+
+    Raises:
+        LogError: when the log's own marker contradicts itself or the manifest.
+    """
+    if declared is not None and declared not in LOG_STEPS:
+        raise LogError(f"{run.path}: log_step must be one of {LOG_STEPS}, got {declared!r}")
+    marker = run.series(OPTIMIZER_STEP_KEY)
+    if not marker:
+        return declared or "training"
+    wrong = [step for step, value in marker.items() if value != step]
+    if wrong:
+        step = wrong[0]
+        raise LogError(
+            f"{run.path}: {OPTIMIZER_STEP_KEY} = {marker[step]:g} on the line of step {step}; "
+            "a per-update log has them equal, so the step unit of this log is unknown"
+        )
+    if declared == "training":
+        raise LogError(
+            f"{run.path}: the manifest says one line per training step, but the log has one line per optimizer "
+            f"update ({OPTIMIZER_STEP_KEY})"
+        )
+    return "optimizer"
+
+
+def logged_reuse(run: RunLog) -> int | None:
+    """N as a per-update log records it (``mini/reuse``), or None; LogError when it changes within the log."""
+    values = set(run.series(REUSE_KEY).values())
+    if not values:
+        return None
+    if len(values) > 1 or not float(next(iter(values))).is_integer():
+        raise LogError(f"{run.path}: {REUSE_KEY} takes several or non-integer values: {sorted(values)}")
+    return int(next(iter(values)))
