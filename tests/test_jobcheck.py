@@ -51,7 +51,15 @@ def test_valid_jobs_pass(overrides):
     check_job(compose_job("respo", overrides))
 
 
-def test_importing_jobcheck_imports_no_verl():
-    code = "import sys, respo_verl.jobcheck; print('verl' in sys.modules, 'hydra' in sys.modules)"
+def test_checking_a_job_imports_neither_verl_nor_torch():
+    code = (
+        "import sys; from omegaconf import OmegaConf; from respo_verl.jobcheck import check_job\n"
+        "cfg = OmegaConf.create({'actor_rollout_ref': {'actor': {'policy_loss': {'respo': {'alpha_pos': 0.5}}}}})\n"
+        "try:\n    check_job(cfg)\nexcept ValueError as exc:\n    print(exc)\n"
+        "print(sorted(m for m in ('verl', 'hydra', 'torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.splitlines() == [
+        "actor_rollout_ref.actor.policy_loss.respo: ReSPOConfig.alpha_pos must be >= 1, got 0.5",
+        "[]",
+    ]

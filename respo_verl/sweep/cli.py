@@ -12,36 +12,46 @@ import argparse
 import sys
 from pathlib import Path
 
+from respo_verl import algorithms
+from respo_verl.runs.manifest import write_manifest
+from respo_verl.runs.options import reuse_list, seed_list, split_overrides
 from respo_verl.sweep.grid import (
-    ALGORITHMS,
     PAPER_MINI_BATCH,
     PAPER_OPTIMIZER_STEPS,
     PAPER_REUSE,
     PAPER_SEEDS,
+    ROUTING_MODES,
     SweepSpec,
     expand,
 )
-from respo_verl.sweep.manifest import write_manifest
 from respo_verl.sweep.runner import is_complete, run_locally, shell_line, submit_to_ray
 
+USAGE_ERROR = 2
 
-def _int_list(text: str) -> tuple[int, ...]:
+
+def _algorithm_list(text: str) -> tuple[str, ...]:
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        return algorithms.parse_list(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="respo-verl sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="respo-verl sweep",
+        usage="respo-verl sweep [options] -- [hydra overrides shared by every run]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--algos", default=",".join(ALGORITHMS), help="comma-separated (default: all four)")
-    p.add_argument("--reuse", type=_int_list, default=PAPER_REUSE, help="N values (default 8,16,32)")
-    p.add_argument("--seeds", type=_int_list, default=PAPER_SEEDS, help="seeds (default 0,1,2)")
+    p.add_argument("--algos", type=_algorithm_list, default=algorithms.ALGORITHMS,
+                   help=f"comma-separated (default: {','.join(algorithms.ALGORITHMS)})")  # fmt: skip
+    p.add_argument("--reuse", type=reuse_list, default=PAPER_REUSE,
+                   help=f"N values, comma-separated (default {','.join(map(str, PAPER_REUSE))})")  # fmt: skip
+    p.add_argument("--seeds", type=seed_list, default=PAPER_SEEDS,
+                   help=f"seeds, comma-separated (default {','.join(map(str, PAPER_SEEDS))})")  # fmt: skip
     p.add_argument("--model", default="model", help="model tag used in run names")
     p.add_argument("--preset", default=None, help="cluster preset, passed as +cluster=<preset>")
-    p.add_argument("--routing", default=None, help="routing preset (off, r2, r3)")
+    p.add_argument("--routing", choices=ROUTING_MODES, default=None, help="routing preset")
     p.add_argument("--entry", choices=("respo", "verl"), default="respo", help="entry point of the runs")
     p.add_argument("--mini-batch", type=int, default=PAPER_MINI_BATCH, help="prompts per optimizer update")
     p.add_argument("--optimizer-steps", type=int, default=PAPER_OPTIMIZER_STEPS, help="updates per run")
@@ -56,16 +66,30 @@ def _parser() -> argparse.ArgumentParser:
         help="print one shell line per run (for a scheduler) and write the manifest; run nothing",
     )
     mode.add_argument("--ray", metavar="ADDRESS", help="submit the runs as Ray jobs to this dashboard address")
-    p.add_argument("--no-compose", action="store_true", help="skip composing each run (no config hash)")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides shared by every run (after --)")
+    p.add_argument("--no-compose", action="store_true", help="skip composing and checking each run (no config hash)")
     return p
 
 
+def _error(message: str) -> int:
+    print(f"respo-verl sweep: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    options, overrides = split_overrides(list(argv))
+    parser = _parser()
+    try:
+        args, extra = parser.parse_known_args(options)
+    except SystemExit as exc:  # --help (0) or a malformed option (2), message already printed
+        return int(exc.code or 0)
+    if extra:
+        return _error(
+            f"unexpected argument(s) {' '.join(extra)!r}: lists are comma-separated (--reuse 8,16 --seeds 0,1,2) "
+            "and Hydra overrides go after --"
+        )
     try:
         spec = SweepSpec(
-            algorithms=tuple(a.strip() for a in args.algos.split(",") if a.strip()),
+            algorithms=args.algos,
             reuse=args.reuse,
             seeds=args.seeds,
             model=args.model,
@@ -74,18 +98,17 @@ def main(argv: list[str]) -> int:
             entry=args.entry,
             mini_batch=args.mini_batch,
             optimizer_steps=args.optimizer_steps,
-            base_overrides=tuple(args.overrides),
+            base_overrides=tuple(overrides),
             out_dir=args.out,
             project=args.project,
         )
         records = expand(spec, compose=not args.no_compose)
-    except ValueError as exc:
-        print(f"respo-verl sweep: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # Hydra's composition errors: say which run and why, without the deep traceback
-        print(f"respo-verl sweep: a run does not compose: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    manifest = write_manifest(records, args.out)
+    except ValueError as exc:  # bad settings (SweepSpec), or a run that does not compose or pass check_job
+        return _error(str(exc))
+    try:
+        manifest = write_manifest(records, args.out)
+    except OSError as exc:
+        return _error(f"--out {args.out}: cannot write the manifest there ({exc.strerror or exc})")
     if args.print_only:
         for record in records:
             prefix = "# complete, skipped: " if is_complete(record, args.out) else ""

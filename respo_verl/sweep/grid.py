@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from respo_verl.algorithms import ALGORITHMS
-from respo_verl.compose import compose_job
+from respo_verl.compose import ComposeError, compose_job
 from respo_verl.runs.manifest import RunRecord
 
 PAPER_REUSE = (8, 16, 32)
@@ -26,6 +26,13 @@ ENTRY_MODULES = {"respo": "respo_verl.main_ppo", "verl": "verl.trainer.main_ppo"
 # verl keys a seed sets; dropped, with the run name, from the configuration hash.
 SEED_KEYS = ("data.seed", "actor_rollout_ref.rollout.seed", "actor_rollout_ref.actor.data_loader_seed")
 PER_RUN_KEYS = (*SEED_KEYS, "trainer.experiment_name")
+# The keys N sets (see run_overrides).
+REUSE_KEYS = ("data.train_batch_size", "trainer.total_training_steps")
+ROUTING_MODES = ("off", "r2", "r3")
+
+
+class SweepError(ValueError):
+    """A run whose job does not compose or does not pass :func:`respo_verl.jobcheck.check_job` (one line)."""
 
 
 @dataclass
@@ -65,6 +72,8 @@ class SweepSpec:
             raise ValueError(f"unknown algorithm(s) {unknown}; choose from {list(ALGORITHMS)}")
         if not self.algorithms or not self.reuse or not self.seeds:
             raise ValueError("the grid is empty: give at least one algorithm, one N and one seed")
+        if self.routing is not None and self.routing not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
         if self.entry not in ENTRY_MODULES:
             raise ValueError(f"entry must be one of {sorted(ENTRY_MODULES)}, got {self.entry!r}")
         for n in self.reuse:
@@ -125,17 +134,69 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _job_of(spec: SweepSpec, algorithm: str, reuse: int, composed: dict[str, tuple[int, object]]):
+    """The composed job of (algorithm, N), composing once per algorithm.
+
+    Runs of one algorithm differ only in the values of :data:`REUSE_KEYS` (plain values of existing keys, which
+    Hydra applies after composition), so the first N is composed and the others are that job with those values set;
+    a test checks that this equals composing each N.
+    """
+    from omegaconf import OmegaConf
+
+    first = spec.seeds[0]
+    if algorithm not in composed:
+        composed[algorithm] = (reuse, compose_job(spec.entry, run_overrides(spec, algorithm, reuse, first)))
+    base_reuse, base_job = composed[algorithm]
+    if reuse == base_reuse:
+        return base_job
+    job = base_job.copy()
+    for override in run_overrides(spec, algorithm, reuse, first):
+        if _key(override) in REUSE_KEYS:
+            OmegaConf.update(job, _key(override), int(override.split("=", 1)[1]), merge=False)
+    return job
+
+
 def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
-    """One :class:`RunRecord` per grid point; with ``compose``, each run's job is composed (so checked) and hashed."""
+    """One :class:`RunRecord` per grid point.
+
+    With ``compose``, the job of every distinct configuration (one per algorithm and N: seeds differ only in the
+    per-run keys, which the hash leaves out) is composed as its entry point composes it, checked with
+    :func:`respo_verl.jobcheck.check_job` and hashed, before anything is printed or launched. Hydra runs once
+    per algorithm (:func:`_job_of`).
+
+    Raises:
+        SweepError: a run's job does not compose or does not pass the check (naming the run).
+    """
+    from respo_verl.jobcheck import check_job
+
     records = []
     versions = _versions()
     logs_dir = spec.out_dir / "logs"
+    digests: dict[tuple[str, int], str] = {}
+    composed: dict[str, tuple[int, object]] = {}
     for algorithm in spec.algorithms:
         for reuse in spec.reuse:
             for seed in spec.seeds:
                 name = run_name(spec, algorithm, reuse, seed)
                 overrides = run_overrides(spec, algorithm, reuse, seed)
-                digest = config_hash(compose_job(spec.entry, overrides)) if compose else ""
+                digest = ""
+                if compose:
+                    shared = (algorithm, reuse)
+                    if shared not in digests:
+                        try:
+                            job = _job_of(spec, algorithm, reuse, composed)
+                        except ComposeError as exc:
+                            raise SweepError(f"run {name}: {exc}") from None
+                        try:
+                            check_job(job)
+                        except ValueError as exc:
+                            raise SweepError(f"run {name}: {exc}") from None
+                        digests[shared] = config_hash(job)
+                    digest = digests[shared]
                 log = logs_dir / f"{name}.jsonl"
                 records.append(
                     RunRecord(

@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from respo_verl.cli import main as cli_main
+from respo_verl.compose import compose_job
 from respo_verl.runs.manifest import read_manifest, write_manifest
 from respo_verl.sweep.grid import SweepSpec, expand
 from respo_verl.sweep.runner import is_complete, run_locally, submit_to_ray
@@ -81,16 +82,58 @@ def test_a_printed_command_composes_under_cfg_job(tmp_path, capsys, entry):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--algos", "respo,ppo"], "unknown algorithm(s) ['ppo']"),
+        (["--algos", "respo,ppo"], "unknown algorithm 'ppo'"),
         (["--reuse", "24"], "N = 24 must be >= 1 and divide optimizer_steps = 1024"),
-        (["--seeds", ""], "the grid is empty"),
-        (["--preset", "no_such_cluster"], "a run does not compose"),
+        (["--seeds", ""], "expected a comma-separated list of integers"),
+        (["--preset", "no_such_cluster"], "run model-respo-n8-s0: cannot compose the 'respo' job"),
+        (["--reuse", "8", "16"], "unexpected argument(s) '16': lists are comma-separated (--reuse 8,16"),
+        (["--reuse", "8,,16"], "expected a comma-separated list of integers such as 8,16,32, got '8,,16'"),
+        (["--seeds", "0;1"], "got '0;1'"),
+        (["--reuse", "0"], "must be >= 1"),
+        (["--seeds", "1,1"], "repeats a value"),
+        (["--routing", "r4"], "invalid choice: 'r4'"),
+        (["--", "actor_rollout_ref.actor.policy_loss.respo.alpha_pos=0.5"],
+         "run model-respo-n8-s0: actor_rollout_ref.actor.policy_loss.respo: ReSPOConfig.alpha_pos must be >= 1"),
+        (["--algos", "vespo", "--", "actor_rollout_ref.actor.policy_loss.vespo.lambda_neg=-2"],
+         "VESPOConfig.lambda_neg must be >= 0, got -2.0"),
+        (["--routing", "r2", "--", "model_engine=dp"], "routing replay needs model_engine=megatron"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_reported_before_anything_runs(tmp_path, capsys, argv, message):
     assert cli_main(["sweep", "--print", "--out", str(tmp_path), *argv]) == 2
-    assert message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""
     assert not (tmp_path / "manifest.jsonl").exists()
+
+
+def test_each_algorithm_is_composed_once_and_equals_composing_each_n(tmp_path, monkeypatch):
+    import respo_verl.sweep.grid as grid
+
+    calls = []
+
+    def counting(entry, overrides):
+        calls.append(overrides)
+        return compose_job(entry, overrides)
+
+    monkeypatch.setattr(grid, "compose_job", counting)
+    spec = SweepSpec(algorithms=("respo", "gspo"), out_dir=tmp_path, base_overrides=("trainer.nnodes=2",))
+    records = expand(spec)
+    assert len(records) == 18 and len(calls) == 2
+    for r in records:
+        if r.seed == 1:  # composing the run itself gives the hash the grid derived
+            assert r.config_hash == grid.config_hash(compose_job("respo", r.command[3:]))
+
+
+def test_other_errors_are_not_reported_as_composition_failures(tmp_path, monkeypatch):
+    import respo_verl.sweep.grid as grid
+
+    def broken(entry, overrides):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(grid, "compose_job", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli_main(["sweep", "--print", "--out", str(tmp_path)])
 
 
 def test_resumption_runs_only_incomplete_runs(tmp_path):
