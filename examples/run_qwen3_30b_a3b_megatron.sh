@@ -8,14 +8,14 @@ ALGO=${ALGO:-respo}                                # respo | vespo | grpo | gspo
 N=${N:-8}                                          # rollout reuse: train_batch_size = 32·N prompts
 SEED=${SEED:-1}
 PRESET=${PRESET:-qwen3_30b_a3b_h100_2x8}           # respo_verl/verl/conf/cluster/<PRESET>.yaml
-ROUTING=${ROUTING:-}                               # routing-replay preset (+routing=<name>); empty: none
+ROUTING=${ROUTING:-}                               # routing replay: off | r2 | r3 (Megatron only); empty: off
 MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B-Base}
 DATA_DIR=${DATA_DIR:-$HOME/data/respo_verl}        # from scripts/prepare_dapo_math.py and prepare_eval_math.py
 CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/respo_verl}
 PROJECT=${PROJECT:-respo_verl}
 EXPERIMENT=${EXPERIMENT:-${ALGO}_qwen3_30b_a3b_N${N}_seed${SEED}${ROUTING:+_$ROUTING}}
 LOGGER=${LOGGER:-[console,wandb]}
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-}                                 # empty: the checkout's .venv (make setup), else python3
 PLAN=${PLAN:-1}                                    # 1: check the layout with `respo-verl plan` before starting
 DRY_RUN=${DRY_RUN:-0}                              # 1: print the command and compose it with --cfg job only
 # ---------------------------------------------------------------------------------------------------------------

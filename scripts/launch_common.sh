@@ -1,9 +1,21 @@
 # Sourced by examples/run_*.sh after their knob block: builds the verl command line, checks the layout with
 # `respo-verl plan`, then runs it (or, with DRY_RUN=1, prints it and composes it with `--cfg job`).
 # Expects: ALGO N SEED PRESET ROUTING MODEL_PATH DATA_DIR TASK SEED_KEY PYTHON DRY_RUN PLAN EXPERIMENT PROJECT
-# CKPT_DIR LOGGER, and "$@" (extra Hydra overrides).
+# CKPT_DIR LOGGER, and "$@" (extra Hydra overrides). An empty PYTHON means the checkout's .venv if there is one
+# (`make setup`), else python3; either must import respo_verl.
+
+ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "$PYTHON" ]]; then
+  if [[ -x "$ROOT_DIR/.venv/bin/python" ]]; then PYTHON="$ROOT_DIR/.venv/bin/python"; else PYTHON=python3; fi
+fi
+if ! "$PYTHON" -c "import respo_verl" >/dev/null 2>&1; then
+  echo "PYTHON=$PYTHON cannot import respo_verl: run 'make setup' in $ROOT_DIR (this script then uses its .venv)," \
+    "or set PYTHON to the interpreter of the environment where respo-verl is installed" >&2
+  exit 2
+fi
 
 case "$ALGO" in respo|vespo|grpo|gspo) ;; *) echo "ALGO must be respo, vespo, grpo or gspo (got '$ALGO')" >&2; exit 2;; esac
+case "$ROUTING" in ''|off|r2|r3) ;; *) echo "ROUTING must be off, r2 or r3, or empty (got '$ROUTING')" >&2; exit 2;; esac
 case "$N" in ''|*[!0-9]*) echo "N must be a positive integer (got '$N')" >&2; exit 2;; esac
 # SPEC §5: 32 prompts per mini-batch, train_batch_size = 32·N, 1024 optimizer updates per run.
 PROMPTS_PER_UPDATE=32
@@ -26,15 +38,22 @@ OVERRIDES=(
   "trainer.default_local_dir=$CKPT_DIR/$EXPERIMENT"
   "trainer.logger=$LOGGER"
 )
-if [[ -n "$ROUTING" ]]; then OVERRIDES+=("+routing=$ROUTING"); fi
+# routing is a config group of respo_verl.main_ppo's primary config: a plain override, not +routing=.
+if [[ -n "$ROUTING" ]]; then OVERRIDES+=("routing=$ROUTING"); fi
 OVERRIDES+=("$@")
 CMD=("$PYTHON" -m respo_verl.main_ppo "algorithm=$ALGO" "${OVERRIDES[@]}")
 
 if [[ "$PLAN" == 1 ]]; then
   PLAN_ARGS=(--algorithm "$ALGO")
   if [[ -f "$MODEL_PATH/config.json" ]]; then PLAN_ARGS+=(--model-config "$MODEL_PATH/config.json"); fi
-  "$PYTHON" -m respo_verl.cli plan "$PRESET" "${PLAN_ARGS[@]}" "${OVERRIDES[@]:1}" || {
-    echo "layout check failed (PLAN=0 skips it)" >&2; exit 1; }
+  status=0
+  "$PYTHON" -m respo_verl.cli plan "$PRESET" "${PLAN_ARGS[@]}" "${OVERRIDES[@]:1}" || status=$?
+  case "$status" in
+    0) ;;
+    1) echo "layout check failed: the rules listed above are violated (PLAN=0 starts without the check)" >&2; exit 1;;
+    2) echo "respo-verl plan refused its input (the line above says why)" >&2; exit 2;;
+    *) echo "respo-verl plan did not run (exit $status)" >&2; exit "$status";;
+  esac
 fi
 
 echo "command:"; printf ' %q' "${CMD[@]}"; echo

@@ -24,12 +24,40 @@ def test_bad_knobs_stop_before_anything_runs(env, message):
     assert res.returncode == 2 and message in res.stderr
 
 
-def test_routing_knob_is_passed_only_when_set():
-    # PYTHON=echo prints the command instead of running it; PLAN=0 skips the layout check.
-    plain = _run("examples/run_qwen3_30b_a3b_megatron.sh", PYTHON="echo", PLAN="0", DRY_RUN="1")
-    routed = _run("examples/run_qwen3_30b_a3b_megatron.sh", PYTHON="echo", PLAN="0", DRY_RUN="1", ROUTING="r3")
-    assert "+routing=" not in plain.stdout
-    assert "+routing=r3" in routed.stdout and "_r3" in routed.stdout  # and the experiment name says so
+def _plain_shell_env(**env) -> dict[str, str]:
+    """The environment of a shell where the virtual environment is neither active nor on PATH."""
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    return {**base, "PATH": path, **env}
+
+
+def _job(res: subprocess.CompletedProcess):
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    _, _, job_yaml = ("\n" + res.stdout).partition("\ncommand:\n")
+    return OmegaConf.create(job_yaml.split("\n", 1)[1])  # the line after "command:" is the command itself
+
+
+@pytest.mark.slow
+def test_routing_knob_composes_the_job_from_a_plain_shell():
+    """ROUTING=r2 reaches the composed job; no PYTHON and no venv on PATH: the script finds the checkout's .venv."""
+    script = ROOT / "examples/run_qwen3_30b_a3b_megatron.sh"
+    env = _plain_shell_env(PLAN="0", DRY_RUN="1", ROUTING="r2")
+    res = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=300)
+    job = _job(res)
+    assert job.actor_rollout_ref.actor.megatron.router_replay.mode == "R2"
+    assert job.trainer.experiment_name.endswith("_r2")
+
+
+def test_an_interpreter_without_respo_verl_is_named_with_what_to_do():
+    res = _run("examples/run_qwen3_1p7b_fsdp.sh", PYTHON="false")
+    assert res.returncode == 2
+    assert res.stderr.startswith("PYTHON=false cannot import respo_verl: run 'make setup' in")
+
+
+def test_bad_routing_knob_stops_before_anything_runs():
+    res = _run("examples/run_qwen3_30b_a3b_megatron.sh", ROUTING="r4")
+    assert res.returncode == 2 and "ROUTING must be off, r2 or r3" in res.stderr
 
 
 @pytest.mark.slow
@@ -42,10 +70,8 @@ def test_routing_knob_is_passed_only_when_set():
 )
 def test_dry_run_plans_and_composes_the_job(script, env, strategy, loss_mode):
     res = _run(script, DRY_RUN="1", **env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    job = _job(res)
     assert "OK: every rule holds" in res.stdout  # the planner ran first
-    _, _, job_yaml = res.stdout.partition("\ncommand:\n")
-    job = OmegaConf.create(job_yaml.split("\n", 1)[1])  # the line after "command:" is the command itself
     n = int(env["N"])
     assert job.actor_rollout_ref.actor.strategy == strategy
     assert job.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
