@@ -14,11 +14,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from respo_verl.planner.layout import Layout, layout_from_config
+from respo_verl.jobcheck import check_job
+from respo_verl.planner.layout import Layout, LayoutError, layout_from_config
 from respo_verl.planner.memory import MemoryEstimate, estimate_memory
 from respo_verl.planner.models import SHIPPED_MODELS, ModelConfigError, ModelShape, shape_from_hf_config
-from respo_verl.planner.presets import GPU_MEMORY_GIB, PRESETS, PresetError, compose_preset, shipped_presets
-from respo_verl.planner.rules import Violation, check_layout
+from respo_verl.planner.presets import GPU_MEMORY_GIB, PRESETS, PresetError, compose_preset
+from respo_verl.planner.rules import Violation, check_layout, size_violations
 
 EXIT_FITS, EXIT_VIOLATIONS, EXIT_BAD_INPUT = 0, 1, 2
 TABLE_WIDTH = 120
@@ -71,7 +72,7 @@ def memory_table(name: str, lay: Layout, mem: MemoryEstimate, markdown: bool = F
         recompute += f" ({lay.recompute_method}, {lay.recompute_num_layers})"
     rows = [
         ("weights", mem.weights_gib, f"{mem.params_per_gpu / 1e9:.2f} B params on this GPU"),
-        ("gradients", mem.grads_gib, "fp32"),
+        ("gradients", mem.grads_gib, "fp32" if lay.backend == "megatron" else lay.model_dtype),
         ("optimizer", mem.optimizer_gib, f"{mem.cpu_optimizer_gib:.1f} GiB on CPU" if mem.cpu_optimizer_gib else ""),
         ("activations", mem.activations_gib, f"{lay.ppo_max_token_len_per_gpu} tokens/GPU, recompute {recompute}"),
         ("logits", mem.logits_gib, ""),
@@ -81,6 +82,11 @@ def memory_table(name: str, lay: Layout, mem: MemoryEstimate, markdown: bool = F
         ("rollout: vLLM weights", mem.rollout_weights_gib, f"TP {lay.rollout_tp}"),
         ("rollout: KV cache", mem.rollout_kv_gib, f"~{mem.rollout_kv_tokens:,} tokens"),
         ("rollout: trainer resident", mem.rollout_resident_gib, ", ".join(offload) or "no offload"),
+        (
+            "vLLM start: free / needed",
+            mem.rollout_startup_free_gib,
+            f"needs {mem.rollout_startup_needed_gib:.1f} free; trainer holds {mem.rollout_startup_resident_gib:.1f}",
+        ),
         (
             "= rollout",
             mem.rollout_gib,
@@ -112,13 +118,20 @@ def plan(
     model: ModelShape | None = None,
     gpu_gib: float | None = None,
     algorithm: str = "respo",
-) -> tuple[Layout, MemoryEstimate, list[Violation], ModelShape]:
-    """Compose ``preset`` with ``overrides`` and check it. Raises PresetError / ModelConfigError on bad input."""
+) -> tuple[Layout, MemoryEstimate | None, list[Violation], ModelShape]:
+    """Compose ``preset`` with ``overrides`` and check it. Raises PresetError / ModelConfigError on bad input.
+
+    The memory estimate is None when a count is below 1 (the ``world-size`` rule): nothing can be estimated.
+    """
     cfg = compose_preset(preset, overrides, algorithm=algorithm)
     try:
+        check_job(cfg)  # what the run refuses (kernel hyperparameters, ...), refused here before anything prints
+    except ValueError as err:
+        raise PresetError(str(err)) from None
+    try:
         lay = layout_from_config(cfg)
-    except (OmegaConfBaseException, TypeError, ValueError) as err:
-        raise PresetError(f"preset {preset!r}: cannot read the layout keys: {err}") from None
+    except (LayoutError, OmegaConfBaseException) as err:
+        raise PresetError(f"preset {preset!r}: {err}") from None
     info = PRESETS.get(preset)
     if model is None:
         if info is None:
@@ -128,13 +141,15 @@ def plan(
         if info is None:
             raise PresetError(f"preset {preset!r} has no planner metadata; pass --gpu-memory-gib")
         gpu_gib = GPU_MEMORY_GIB[info.gpu]
+    sizes = size_violations(lay)
+    if sizes:
+        return lay, None, sizes, model
     mem = estimate_memory(model, lay, gpu_gib)
     return lay, mem, check_layout(model, lay, mem), model
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-    err = Console(stderr=True, width=TABLE_WIDTH)
     try:
         model = None
         if args.model_config:
@@ -145,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             raise PresetError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
         lay, mem, violations, model = plan(args.preset, args.overrides, model, args.gpu_memory_gib, args.algorithm)
     except (PresetError, ModelConfigError) as e:
-        err.print(f"respo-verl plan: {e}", markup=False, highlight=False)
-        if isinstance(e, PresetError) and "unknown preset" not in str(e):
-            err.print(f"shipped presets: {', '.join(shipped_presets())}", markup=False, highlight=False)
+        print(f"respo-verl plan: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     out = Console(width=TABLE_WIDTH, highlight=False)
-    out.print(memory_table(args.preset, lay, mem, markdown=args.markdown))
+    if mem is None:
+        out.print(f"{args.preset}: {lay.nnodes}×{lay.gpus_per_node} GPUs; no memory estimate", markup=False)
+    else:
+        out.print(memory_table(args.preset, lay, mem, markdown=args.markdown))
     out.print(
         f"model: {model.name}, {model.total_params / 1e9:.2f} B params ({model.active_params / 1e9:.2f} B active)"
     )

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class LayoutError(ValueError):
+    """A layout key whose value is not of the kind verl reads (the message names the key)."""
 
 
 @dataclass(frozen=True)
@@ -32,10 +37,13 @@ class Layout:
     recompute_num_layers: int | None = None
     moe_dispatcher: str | None = None
     moe_router_dtype: str | None = None
+    optimizer_cpu_offload: bool = False
     optimizer_cpu_offload_fraction: float = 0.0
+    precision_aware_optimizer: bool = False
     # fsdp
     ulysses_sp: int = 1
     fsdp_size: int = -1
+    model_dtype: str = "fp32"
     gradient_checkpointing: bool = True
     # both
     param_offload: bool = False
@@ -91,8 +99,39 @@ class Layout:
 
 
 def _get(cfg: DictConfig, key: str, default=None):
-    value = OmegaConf.select(cfg, key, default=default)
+    try:
+        value = OmegaConf.select(cfg, key, default=default)
+    except OmegaConfBaseException as err:  # an interpolation that does not resolve
+        raise LayoutError(f"{key}: {str(err).strip().splitlines()[0]}") from None
     return default if value is None else value
+
+
+def _int(cfg: DictConfig, key: str, default: int) -> int:
+    value = _get(cfg, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _opt_int(cfg: DictConfig, key: str) -> int | None:
+    return None if _get(cfg, key) is None else _int(cfg, key, 0)
+
+
+def _float(cfg: DictConfig, key: str, default: float) -> float:
+    value = _get(cfg, key, default)
+    if isinstance(value, bool):
+        raise LayoutError(f"{key} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise LayoutError(f"{key} must be a number, got {value!r}") from None
+
+
+def _bool(cfg: DictConfig, key: str, default: bool) -> bool:
+    value = _get(cfg, key, default)
+    if not isinstance(value, bool):
+        raise LayoutError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def layout_from_config(cfg: DictConfig) -> Layout:
@@ -102,68 +141,72 @@ def layout_from_config(cfg: DictConfig) -> Layout:
     backend = "megatron" if strategy == "megatron" else "fsdp"
     common = dict(
         backend=backend,
-        nnodes=int(_get(cfg, "trainer.nnodes", 1)),
-        gpus_per_node=int(_get(cfg, "trainer.n_gpus_per_node", 8)),
-        use_dynamic_bsz=bool(_get(cfg, f"{actor}.use_dynamic_bsz", False)),
-        ppo_max_token_len_per_gpu=int(_get(cfg, f"{actor}.ppo_max_token_len_per_gpu", 16384)),
-        log_prob_max_token_len_per_gpu=int(
-            _get(cfg, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 16384)
-        ),
-        ppo_micro_batch_size_per_gpu=_get(cfg, f"{actor}.ppo_micro_batch_size_per_gpu"),
-        train_batch_size=int(_get(cfg, "data.train_batch_size", 1)),
-        ppo_mini_batch_size=int(_get(cfg, f"{actor}.ppo_mini_batch_size", 1)),
-        rollout_n=int(_get(cfg, "actor_rollout_ref.rollout.n", 1)),
-        max_prompt_length=int(_get(cfg, "data.max_prompt_length", 512)),
-        max_response_length=int(_get(cfg, "data.max_response_length", 512)),
-        rollout_tp=int(_get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1)),
-        rollout_dp=int(_get(cfg, "actor_rollout_ref.rollout.data_parallel_size", 1)),
-        rollout_pp=int(_get(cfg, "actor_rollout_ref.rollout.pipeline_model_parallel_size", 1)),
-        rollout_ep=int(_get(cfg, "actor_rollout_ref.rollout.expert_parallel_size", 1)),
-        rollout_memory_fraction=float(_get(cfg, "actor_rollout_ref.rollout.gpu_memory_utilization", 0.5)),
-        rollout_max_model_len=_get(cfg, "actor_rollout_ref.rollout.max_model_len"),
-        rollout_max_num_seqs=int(_get(cfg, "actor_rollout_ref.rollout.max_num_seqs", 1024)),
+        nnodes=_int(cfg, "trainer.nnodes", 1),
+        gpus_per_node=_int(cfg, "trainer.n_gpus_per_node", 8),
+        use_dynamic_bsz=_bool(cfg, f"{actor}.use_dynamic_bsz", False),
+        ppo_max_token_len_per_gpu=_int(cfg, f"{actor}.ppo_max_token_len_per_gpu", 16384),
+        log_prob_max_token_len_per_gpu=_int(cfg, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 16384),
+        ppo_micro_batch_size_per_gpu=_opt_int(cfg, f"{actor}.ppo_micro_batch_size_per_gpu"),
+        train_batch_size=_int(cfg, "data.train_batch_size", 1),
+        ppo_mini_batch_size=_int(cfg, f"{actor}.ppo_mini_batch_size", 1),
+        rollout_n=_int(cfg, "actor_rollout_ref.rollout.n", 1),
+        max_prompt_length=_int(cfg, "data.max_prompt_length", 512),
+        max_response_length=_int(cfg, "data.max_response_length", 512),
+        rollout_tp=_int(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1),
+        rollout_dp=_int(cfg, "actor_rollout_ref.rollout.data_parallel_size", 1),
+        rollout_pp=_int(cfg, "actor_rollout_ref.rollout.pipeline_model_parallel_size", 1),
+        rollout_ep=_int(cfg, "actor_rollout_ref.rollout.expert_parallel_size", 1),
+        rollout_memory_fraction=_float(cfg, "actor_rollout_ref.rollout.gpu_memory_utilization", 0.5),
+        rollout_max_model_len=_opt_int(cfg, "actor_rollout_ref.rollout.max_model_len"),
+        rollout_max_num_seqs=_int(cfg, "actor_rollout_ref.rollout.max_num_seqs", 1024),
         rollout_name=_get(cfg, "actor_rollout_ref.rollout.name"),
-        free_cache_engine=bool(_get(cfg, "actor_rollout_ref.rollout.free_cache_engine", True)),
+        free_cache_engine=_bool(cfg, "actor_rollout_ref.rollout.free_cache_engine", True),
     )
     if backend == "megatron":
         mg = f"{actor}.megatron"
-        tp = int(_get(cfg, f"{mg}.tensor_model_parallel_size", 1))
+        tp = _int(cfg, f"{mg}.tensor_model_parallel_size", 1)
         tf = f"{mg}.override_transformer_config"
         offload_cfg = f"{actor}.optim.override_optimizer_config"
-        cpu_offload = bool(_get(cfg, f"{offload_cfg}.optimizer_cpu_offload", False))
-        vpp = _get(cfg, f"{mg}.virtual_pipeline_model_parallel_size")
-        recompute_layers = _get(cfg, f"{tf}.recompute_num_layers")
+        cpu_offload = _bool(cfg, f"{offload_cfg}.optimizer_cpu_offload", False)
         return Layout(
             **common,
             tp=tp,
-            pp=int(_get(cfg, f"{mg}.pipeline_model_parallel_size", 1)),
-            vpp=None if vpp is None else int(vpp),
-            cp=int(_get(cfg, f"{mg}.context_parallel_size", 1)),
-            ep=int(_get(cfg, f"{mg}.expert_model_parallel_size", 1)),
-            etp=int(_get(cfg, f"{mg}.expert_tensor_parallel_size", tp)),
+            pp=_int(cfg, f"{mg}.pipeline_model_parallel_size", 1),
+            vpp=_opt_int(cfg, f"{mg}.virtual_pipeline_model_parallel_size"),
+            cp=_int(cfg, f"{mg}.context_parallel_size", 1),
+            ep=_int(cfg, f"{mg}.expert_model_parallel_size", 1),
+            etp=_int(cfg, f"{mg}.expert_tensor_parallel_size", tp),
             # verl turns sequence parallelism off by itself when TP is 1 (McoreEngineConfig.__post_init__).
-            sequence_parallel=bool(_get(cfg, f"{mg}.sequence_parallel", True)) and tp > 1,
-            distributed_optimizer=bool(_get(cfg, f"{mg}.use_distributed_optimizer", True)),
+            sequence_parallel=_bool(cfg, f"{mg}.sequence_parallel", True) and tp > 1,
+            distributed_optimizer=_bool(cfg, f"{mg}.use_distributed_optimizer", True),
             recompute_granularity=_get(cfg, f"{tf}.recompute_granularity"),
             recompute_method=_get(cfg, f"{tf}.recompute_method"),
-            recompute_num_layers=None if recompute_layers is None else int(recompute_layers),
+            recompute_num_layers=_opt_int(cfg, f"{tf}.recompute_num_layers"),
             moe_dispatcher=_get(cfg, f"{tf}.moe_token_dispatcher_type"),
             moe_router_dtype=_get(cfg, f"{tf}.moe_router_dtype"),
-            optimizer_cpu_offload_fraction=(
-                float(_get(cfg, f"{offload_cfg}.optimizer_offload_fraction", 0.0)) if cpu_offload else 0.0
+            optimizer_cpu_offload=cpu_offload,
+            # verl copies override_optimizer_config over its own optim keys (utils/megatron/optimizer.py).
+            precision_aware_optimizer=_bool(
+                cfg,
+                f"{offload_cfg}.use_precision_aware_optimizer",
+                _bool(cfg, f"{actor}.optim.use_precision_aware_optimizer", False),
             ),
-            param_offload=bool(_get(cfg, f"{mg}.param_offload", False)),
-            optimizer_offload=bool(_get(cfg, f"{mg}.optimizer_offload", False)),
+            optimizer_cpu_offload_fraction=(
+                _float(cfg, f"{offload_cfg}.optimizer_offload_fraction", 0.0) if cpu_offload else 0.0
+            ),
+            param_offload=_bool(cfg, f"{mg}.param_offload", False),
+            optimizer_offload=_bool(cfg, f"{mg}.optimizer_offload", False),
             router_replay_mode=str(_get(cfg, f"{mg}.router_replay.mode", "disabled")),
         )
     fs = f"{actor}.fsdp_config"
-    sp = int(_get(cfg, f"{fs}.ulysses_sequence_parallel_size", 1))
-    sp = max(sp, int(_get(cfg, f"{actor}.ulysses_sequence_parallel_size", 1)))  # verl forwards the deprecated key
+    sp = _int(cfg, f"{fs}.ulysses_sequence_parallel_size", 1)
+    sp = max(sp, _int(cfg, f"{actor}.ulysses_sequence_parallel_size", 1))  # verl forwards the deprecated key
     return Layout(
         **common,
         ulysses_sp=sp,
-        fsdp_size=int(_get(cfg, f"{fs}.fsdp_size", -1)),
-        gradient_checkpointing=bool(_get(cfg, "actor_rollout_ref.model.enable_gradient_checkpointing", True)),
-        param_offload=bool(_get(cfg, f"{fs}.param_offload", False)),
-        optimizer_offload=bool(_get(cfg, f"{fs}.optimizer_offload", False)),
+        fsdp_size=_int(cfg, f"{fs}.fsdp_size", -1),
+        model_dtype=str(_get(cfg, f"{fs}.model_dtype", "fp32")),
+        gradient_checkpointing=_bool(cfg, "actor_rollout_ref.model.enable_gradient_checkpointing", True),
+        param_offload=_bool(cfg, f"{fs}.param_offload", False),
+        optimizer_offload=_bool(cfg, f"{fs}.optimizer_offload", False),
     )

@@ -5,13 +5,23 @@ How the estimate is made (bytes; every figure is per GPU, for the most loaded pi
 Megatron (``model_engine=megatron``)
     Parameters held by a GPU: the non-expert part of its ``L/PP`` layers divided by TP, its experts divided by
     EP·ETP, plus the embedding (first stage) or output layer (last stage) divided by TP; with PP = 1 both.
-    weights    = 2 B/param (bf16)
-    gradients  = 4 B/param (verl sets megatron's ``grad_reduce_in_fp32``: an fp32 main-grad buffer)
-    optimizer  = 12 B/param (fp32 master copy + Adam m and v), divided by the data-parallel size of that
-                 parameter (dense: world/(TP·PP·CP); experts: world/(ETP·EP·PP)) with the distributed
-                 optimizer, times (1 − ``optimizer_offload_fraction``) when megatron's CPU optimizer is on.
-                 verl's own ``optimizer_offload`` only frees the states *between* updates: the train-mode
-                 context loads them back for the whole update, so it lowers the rollout phase, not this one.
+    weights    = 2 B/param (bf16 model parameters).
+    gradients  = 4 B/param: the fp32 main-grad buffer of megatron's DDP (verl sets ``grad_reduce_in_fp32``).
+    optimizer  = 12 B/param: fp32 main parameters (megatron ``DistributedOptimizer``,
+                 ``shard_fp32_from_float16_groups``) + Adam ``exp_avg`` and ``exp_avg_sq`` in fp32, divided by the
+                 data-parallel size of that parameter (dense: world/(TP·PP·CP); experts: world/(ETP·EP·PP)) with
+                 the distributed optimizer.
+    CPU optimizer (``override_optimizer_config.optimizer_cpu_offload``, megatron ``HybridDeviceOptimizer``):
+                 the fraction ``optimizer_offload_fraction`` of those shards is stepped on the host, which keeps
+                 16 B/param there: an fp32 copy of the parameter, an fp32 copy of its gradient and both Adam
+                 moments (``cpu_offloading/hybrid_optimizer.py``, ``_get_sub_optimizer_param_groups`` and
+                 ``_set_sub_optimizer_grads``). The GPU keeps the fp32 main parameters of the offloaded part as
+                 well (4 B/param) unless ``use_precision_aware_optimizer`` hands the bf16 shards to the optimizer
+                 directly (``distrib_optimizer.py``: "main params are held by" the optimizer); megatron-LM's own
+                 argument check requires the precision-aware optimizer with CPU offload (rule
+                 ``optimizer-cpu-offload``).
+    verl's own ``optimizer_offload`` only frees the states *between* updates: the train-mode context loads them
+                 back for the whole update, so it lowers the rollout phase, not this one.
     activations per token and layer (bf16 elements): attention 2h/s + (n_q + 2·n_kv)·d/TP + n_q·d/TP;
                  MoE block 2h/s + 4E (fp32 router logits and probabilities) + k·(h + 3·f_e)/ETP;
                  dense MLP 2h/s + 3f/TP, where s = TP with sequence parallelism else 1 (flash attention keeps
@@ -22,19 +32,30 @@ Megatron (``model_engine=megatron``)
     logits     = tokens × V/TP × 10 B (bf16 logits, their fp32 copy for log-softmax, and its fp32 gradient).
 
 FSDP (``model_engine=dp``)
-    verl keeps fp32 parameters (``model_dtype: fp32``) sharded over the FSDP group: 4 B weights + 4 B
-    gradients + 8 B Adam m, v per parameter, divided by the group size; plus two gathered bf16 layers (the one
-    computing and the one prefetched) and the gathered bf16 embedding. Activations as above with TP = 1;
-    Ulysses SP keeps the per-GPU token count at the budget (the all-to-all moves heads, not tokens).
-    Gradient checkpointing keeps each layer's input plus one layer.
+    verl keeps the sharded parameters in ``fsdp_config.model_dtype`` (fp32 by default, bf16 as the paper) and
+    torch's AdamW creates its moments in the parameter's dtype, so parameters, gradients, m and v take
+    4 × (2 or 4) B per parameter, divided by the FSDP group size; plus two gathered bf16 layers (the one computing
+    and the one prefetched) and the gathered bf16 embedding. Activations as above with TP = 1; Ulysses SP keeps
+    the per-GPU token count at the budget (the all-to-all moves heads, not tokens). Gradient checkpointing keeps
+    each layer's input plus one layer.
+
+Host memory (pinned, per node): the CPU optimizer's 16 B/param; with ``param_offload`` the bf16 weights (verl's
+``offload_megatron_model_to_cpu`` copies ``param_data`` to a pinned buffer and *frees* ``grad_data`` without a
+copy); with ``optimizer_offload`` whatever optimizer state the GPU held (``offload_megatron_optimizer``).
 
 Old-log-prob forward: weights and gradient buffers stay allocated, no optimizer unless resident, one layer of
 activations and fp32 logits (6 B per element) at ``log_prob_max_token_len_per_gpu``.
 
-Rollout (vLLM, hybrid engine): vLLM takes ``gpu_memory_utilization`` × GPU memory for its weights (2 B/param
-divided by its TP·PP), its own activations and CUDA graphs (a fixed allowance) and the KV cache, which gets the
-rest. Whatever the trainer leaves on the GPU meanwhile (weights and gradients unless ``param_offload``, the
-optimizer unless ``optimizer_offload``) must fit next to it.
+Rollout (vLLM, hybrid engine): vLLM takes ``gpu_memory_utilization`` × the GPU's *total* memory for its weights
+(2 B/param divided by its TP·PP), its own activations and CUDA graphs (a fixed allowance) and the KV cache, which
+gets the rest. Whatever the trainer leaves on the GPU meanwhile (weights and gradients unless ``param_offload``,
+the optimizer unless ``optimizer_offload``) must fit next to it. vLLM also refuses to start when the free memory
+at its start is below that fraction of the total (``vllm/v1/worker/gpu_worker.py``, ``Worker.init_device``; later
+versions ``request_memory`` in ``vllm/v1/worker/utils.py``), and verl 0.9.1 starts its vLLM servers after the
+trainer is built (``trainer/ppo/v1/trainer_base.py``: ``init_model`` of the actor, then
+``LLMServerManager.create``), with the trainer's weights, gradient buffers and fp32 main parameters on the GPU
+unless offloaded (``workers/engine/megatron/transformer_impl.py``, ``initialize``); Adam's moments do not exist
+yet (created at the first step). ``rollout_startup_*`` model that check.
 
 Every phase adds a fixed runtime reserve (CUDA context, NCCL communicators, MoE dispatcher buffers, allocator
 fragmentation). Where it is rough: activation counts ignore kernel workspaces, fp32 norm upcasts inside HF
@@ -56,12 +77,16 @@ BF16_BYTES = 2
 FP32_BYTES = 4
 # megatron with bf16 params: fp32 main-grad buffer (verl sets grad_reduce_in_fp32 unless low-precision main grads).
 MEGATRON_GRAD_BYTES = FP32_BYTES
-# fp32 master weights + Adam exp_avg + exp_avg_sq, all fp32 (verl's default dtypes for the megatron optimizer).
-MEGATRON_OPTIMIZER_BYTES = 3 * FP32_BYTES
-# FSDP in verl keeps fp32 parameters (they are the master copy) and fp32 gradients; AdamW adds m and v.
-FSDP_PARAM_BYTES = FP32_BYTES
-FSDP_GRAD_BYTES = FP32_BYTES
-FSDP_OPTIMIZER_BYTES = 2 * FP32_BYTES
+# fp32 main parameters (DistributedOptimizer) and Adam exp_avg + exp_avg_sq (verl's default fp32 dtypes).
+MEGATRON_MAIN_PARAM_BYTES = FP32_BYTES
+MEGATRON_MOMENT_BYTES = 2 * FP32_BYTES
+MEGATRON_OPTIMIZER_BYTES = MEGATRON_MAIN_PARAM_BYTES + MEGATRON_MOMENT_BYTES
+# HybridDeviceOptimizer on the host: fp32 parameter copy, fp32 gradient copy, Adam exp_avg and exp_avg_sq.
+MEGATRON_CPU_OPTIMIZER_HOST_BYTES = 4 * FP32_BYTES
+# FSDP in verl: parameters in fsdp_config.model_dtype; gradients and torch AdamW's m and v follow that dtype.
+FSDP_DTYPE_BYTES = {"fp32": FP32_BYTES, "float32": FP32_BYTES, "bf16": BF16_BYTES, "bfloat16": BF16_BYTES}
+FSDP_PARAM_BYTES = FP32_BYTES  # verl's default model_dtype
+FSDP_STATE_COPIES = 3  # gradient, exp_avg, exp_avg_sq
 # FSDP gathers the layer being computed and prefetches the next one, in bf16.
 FSDP_GATHERED_LAYERS = 2
 # Training logits: bf16 logits, an fp32 copy for log-softmax, and the fp32 gradient of that copy.
@@ -99,6 +124,9 @@ class MemoryEstimate:
     replay_microbatch_mib: float
     host_offload_gib_per_node: float
     gpu_gib: float
+    rollout_startup_resident_gib: float = 0.0  # trainer state on the GPU when vLLM starts
+    rollout_startup_free_gib: float = 0.0  # free memory vLLM sees at its start (capacity - resident - reserve)
+    rollout_startup_needed_gib: float = 0.0  # gpu_memory_utilization x capacity (vLLM's start-up check)
 
     @property
     def static_gib(self) -> float:
@@ -167,9 +195,15 @@ def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float) -> MemoryEstimat
             opt_params = shares.dense / max(lay.dp, 1) + shares.expert / max(lay.expert_dp, 1)
         else:
             opt_params = params
-        optimizer_all = MEGATRON_OPTIMIZER_BYTES * opt_params
-        cpu_opt = optimizer_all * lay.optimizer_cpu_offload_fraction
-        optimizer = optimizer_all - cpu_opt
+        frac = lay.optimizer_cpu_offload_fraction if lay.optimizer_cpu_offload else 0.0
+        # The DistributedOptimizer keeps fp32 main parameters on the GPU unless the precision-aware optimizer
+        # hands the bf16 shards to the (hybrid) optimizer, which then keeps its fp32 copy where it steps.
+        main_on_gpu = (1.0 - frac) + (0.0 if lay.precision_aware_optimizer else frac)
+        main_params = MEGATRON_MAIN_PARAM_BYTES * opt_params * main_on_gpu
+        optimizer = main_params + MEGATRON_MOMENT_BYTES * opt_params * (1.0 - frac)
+        cpu_opt = MEGATRON_CPU_OPTIMIZER_HOST_BYTES * opt_params * frac
+        # After init (before the first step) only the main parameters exist; Adam's moments are created lazily.
+        startup_opt = main_params
         sp_div = lay.tp if lay.sequence_parallel else 1
         per_layer, ckpt = _activation_elems_per_token(m, lay.tp, lay.etp, sp_div)
         act_one = _recomputed_activation_bytes(
@@ -181,17 +215,19 @@ def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float) -> MemoryEstimat
         infer_act = BF16_BYTES * infer_tokens * per_layer
         infer_logits = infer_tokens * vocab_shard * LOGITS_FORWARD_BYTES
     else:
-        shard = lay.world if lay.fsdp_size in (-1, 0) else lay.fsdp_size
+        shard = max(1, lay.world if lay.fsdp_size in (-1, 0) else lay.fsdp_size)
         total = m.total_params
         params = total / shard
         layer_params = m.attention_params_per_layer + (
             m.dense_mlp_params if not m.is_moe else m.router_params + m.num_experts * m.expert_params
         )
         gathered = BF16_BYTES * (FSDP_GATHERED_LAYERS * layer_params + m.embedding_params)
-        weights = FSDP_PARAM_BYTES * params + gathered
-        grads = FSDP_GRAD_BYTES * params
-        optimizer = FSDP_OPTIMIZER_BYTES * params
+        dtype_bytes = FSDP_DTYPE_BYTES.get(str(lay.model_dtype).lower(), FSDP_PARAM_BYTES)
+        weights = dtype_bytes * params + gathered
+        grads = dtype_bytes * params
+        optimizer = (FSDP_STATE_COPIES - 1) * dtype_bytes * params
         cpu_opt = 0.0
+        startup_opt = 0.0  # gradients and AdamW state are created at the first backward / step
         per_layer, ckpt = _activation_elems_per_token(m, 1, 1, 1)
         per_layer_bytes = BF16_BYTES * tokens * per_layer
         if lay.gradient_checkpointing:
@@ -214,9 +250,16 @@ def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float) -> MemoryEstimat
     vllm_budget = lay.rollout_memory_fraction * gpu_gib * GIB
     kv = max(0.0, vllm_budget - rollout_weights - VLLM_OVERHEAD_GIB * GIB)
     resident = (0.0 if lay.param_offload else weights + grads) + resident_opt
-    # Host RAM the offloads need on one node: CPU optimizer states, plus what leaves the GPU during rollout.
-    host = cpu_opt + (weights + grads if lay.param_offload else 0.0) + (optimizer if lay.optimizer_offload else 0.0)
+    # Host RAM the offloads need on one node: the CPU optimizer, plus what leaves the GPU during rollout (verl
+    # copies the bf16 weights to the host and frees the gradient buffers without a copy).
+    host = cpu_opt + (weights if lay.param_offload else 0.0) + (optimizer if lay.optimizer_offload else 0.0)
     rollout = vllm_budget + resident + reserve
+    # What vLLM's start-up check sees: the trainer after init, before any step (FSDP allocates gradients lazily).
+    startup_grads = grads if lay.backend == "megatron" else 0.0
+    startup_resident = (0.0 if lay.param_offload else weights + startup_grads) + (
+        0.0 if lay.optimizer_offload else startup_opt
+    )
+    startup_free = gpu_gib * GIB - startup_resident - reserve
 
     replay_step = replay_mb = 0.0
     if m.is_moe:
@@ -243,4 +286,7 @@ def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float) -> MemoryEstimat
         replay_microbatch_mib=replay_mb / 2**20,
         host_offload_gib_per_node=host * lay.gpus_per_node / GIB,
         gpu_gib=gpu_gib,
+        rollout_startup_resident_gib=startup_resident / GIB,
+        rollout_startup_free_gib=startup_free / GIB,
+        rollout_startup_needed_gib=vllm_budget / GIB,
     )

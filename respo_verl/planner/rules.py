@@ -27,6 +27,46 @@ class Violation:
         return f"[{self.rule}] {self.message}"
 
 
+def size_violations(lay: Layout) -> list[Violation]:
+    """Counts that must be positive before any other rule (or the memory model) can divide by them."""
+    sizes = {
+        "trainer.nnodes": lay.nnodes,
+        "trainer.n_gpus_per_node": lay.gpus_per_node,
+        "data.train_batch_size": lay.train_batch_size,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": lay.ppo_mini_batch_size,
+        f"{ROLLOUT}.n": lay.rollout_n,
+        f"{ROLLOUT}.tensor_model_parallel_size": lay.rollout_tp,
+        f"{ROLLOUT}.data_parallel_size": lay.rollout_dp,
+        f"{ROLLOUT}.pipeline_model_parallel_size": lay.rollout_pp,
+        f"{ROLLOUT}.expert_parallel_size": lay.rollout_ep,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": lay.ppo_max_token_len_per_gpu,
+        f"{ROLLOUT}.log_prob_max_token_len_per_gpu": lay.log_prob_max_token_len_per_gpu,
+    }
+    if lay.backend == "megatron":
+        sizes |= {
+            f"{MG}.tensor_model_parallel_size": lay.tp,
+            f"{MG}.pipeline_model_parallel_size": lay.pp,
+            f"{MG}.context_parallel_size": lay.cp,
+            f"{MG}.expert_model_parallel_size": lay.ep,
+            f"{MG}.expert_tensor_parallel_size": lay.etp,
+        }
+        if lay.vpp is not None:
+            sizes[f"{MG}.virtual_pipeline_model_parallel_size"] = lay.vpp
+    else:
+        sizes["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"] = lay.ulysses_sp
+    out = [Violation("world-size", f"{key} must be >= 1, got {value}") for key, value in sizes.items() if value < 1]
+    if lay.nnodes >= 1 and lay.gpus_per_node >= 1:
+        return out
+    return [
+        Violation(
+            "world-size",
+            f"trainer.nnodes × trainer.n_gpus_per_node = {lay.nnodes}×{lay.gpus_per_node} = {lay.world} GPUs; "
+            f"a job needs at least one node with at least one GPU",
+        ),
+        *(v for v in out if not v.message.startswith("trainer.")),
+    ]
+
+
 def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
     out: list[Violation] = []
     grid = lay.tp * lay.pp * lay.cp
@@ -135,6 +175,15 @@ def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
             Violation(
                 "optimizer-offload",
                 f"optimizer_offload_fraction {lay.optimizer_cpu_offload_fraction} must be in [0, 1]",
+            )
+        )
+    if lay.optimizer_cpu_offload and not lay.precision_aware_optimizer:
+        out.append(
+            Violation(
+                "optimizer-cpu-offload",
+                "optimizer_cpu_offload needs use_precision_aware_optimizer=true (megatron-LM's argument check; "
+                "without it the fp32 main parameters stay on the GPU next to the CPU optimizer's own copy); set "
+                "actor_rollout_ref.actor.optim.use_precision_aware_optimizer=true",
             )
         )
     if lay.router_replay_mode != "disabled" and not m.is_moe:
@@ -306,6 +355,17 @@ def _memory_rules(lay: Layout, mem: MemoryEstimate) -> list[Violation]:
                 f"lower gpu_memory_utilization",
             )
         )
+    if mem.rollout_startup_free_gib < mem.rollout_startup_needed_gib:
+        out.append(
+            Violation(
+                "rollout-startup",
+                f"vLLM will refuse to start: ~{mem.rollout_startup_free_gib:.1f} GiB free per GPU when it starts "
+                f"(the trainer, built first by verl, holds ~{mem.rollout_startup_resident_gib:.1f} GiB + reserve) "
+                f"< gpu_memory_utilization {lay.rollout_memory_fraction:.2f} × {cap:.1f} = "
+                f"{mem.rollout_startup_needed_gib:.1f} GiB (vLLM Worker.init_device); offload params/optimizer "
+                f"or lower gpu_memory_utilization",
+            )
+        )
     if mem.rollout_kv_tokens < lay.seq_len:
         out.append(
             Violation(
@@ -318,7 +378,14 @@ def _memory_rules(lay: Layout, mem: MemoryEstimate) -> list[Violation]:
 
 
 def check_layout(m: ModelShape, lay: Layout, mem: MemoryEstimate | None) -> list[Violation]:
-    """Every violated rule (empty: the layout is valid and, if ``mem`` is given, fits)."""
+    """Every violated rule (empty: the layout is valid and, if ``mem`` is given, fits).
+
+    A layout with a count below 1 (no GPUs, TP 0, ...) gets only the ``world-size`` violations: the other rules
+    and the memory model divide by those counts.
+    """
+    sizes = size_violations(lay)
+    if sizes:
+        return sizes
     out = _megatron_rules(m, lay) if lay.backend == "megatron" else _fsdp_rules(m, lay)
     out += _batch_rules(lay) + _rollout_rules(m, lay)
     if mem is not None:

@@ -43,13 +43,46 @@ def test_rule_breaking_override_exits_1_listing_every_rule(capsys):
         (["qwen3_1p7b_h100_1x8", "trainer.nnodes"], "not of the form key=value"),
         (["qwen3_1p7b_h100_1x8", "trainer.no_such_key=1"], "cannot compose preset"),
         (["qwen3_1p7b_h100_1x8", "--gpu-memory-gib", "-1"], "--gpu-memory-gib must be > 0"),
+        (["qwen3_1p7b_h100_1x8", "trainer.nnodes=abc"], "trainer.nnodes must be an integer, got 'abc'"),
+        (["qwen3_30b_a3b_h100_2x8", f"{MG}.tensor_model_parallel_size=two"], "tensor_model_parallel_size must be an"),
+        (["qwen3_1p7b_h100_1x8", "actor_rollout_ref.rollout.gpu_memory_utilization=high"], "must be a number"),
+        (
+            ["qwen3_1p7b_h100_1x8", "actor_rollout_ref.actor.policy_loss.respo.alpha_pos=0.5"],
+            "actor_rollout_ref.actor.policy_loss.respo: ReSPOConfig.alpha_pos must be >= 1, got 0.5",
+        ),
+        (
+            ["qwen3_1p7b_h100_1x8", "--algorithm", "vespo", "actor_rollout_ref.actor.policy_loss.vespo.k_pos=-1"],
+            "VESPOConfig.k_pos must be >= 0",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_message(capsys, argv, message):
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert message in err
-    assert "Traceback" not in err
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.out == ""  # refused before anything is printed
+
+
+def test_no_gpus_is_a_world_size_violation(capsys):
+    assert main(["qwen3_30b_a3b_h100_2x8", "trainer.nnodes=0"]) == 1
+    out = capsys.readouterr().out
+    assert "[world-size]" in out and "0×8 = 0 GPUs" in out
+    assert "DP 0" not in out  # no memory table for an empty grid
+
+
+def test_plan_imports_neither_verl_nor_torch():
+    # The rules and the memory model need neither; importing verl alone costs ~8 s of CPU.
+    code = (
+        "import sys\n"
+        "from respo_verl.planner.cli import main\n"
+        "code = main(['qwen3_30b_a3b_h100_2x8', 'actor_rollout_ref.actor.policy_loss.respo.beta_pos=0.25'])\n"
+        "print(code, sorted(m for m in ('verl', 'torch', 'ray', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 []"
 
 
 def test_model_config_path(tmp_path, capsys):

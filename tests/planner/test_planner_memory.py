@@ -3,6 +3,7 @@ the published parameter counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -146,3 +147,54 @@ def test_bad_model_configs_fail_clearly(tmp_path, content, message):
         path.write_text(content)
     with pytest.raises(ModelConfigError, match=message):
         shape_from_hf_config(path)
+
+
+@pytest.mark.parametrize("precision_aware", [False, True])
+def test_megatron_cpu_optimizer_terms_by_hand(precision_aware):
+    # Megatron's HybridDeviceOptimizer keeps an fp32 parameter copy, an fp32 gradient copy and both Adam moments on
+    # the host: 16 B per parameter of the optimizer shard. Without the precision-aware optimizer the
+    # DistributedOptimizer's fp32 main parameters (4 B) also stay on the GPU.
+    lay = _megatron(optimizer_cpu_offload=True, optimizer_cpu_offload_fraction=1.0,
+                    precision_aware_optimizer=precision_aware)  # fmt: skip
+    mem = estimate_memory(TINY, lay, gpu_gib=80.0)
+    shard = TINY_TOTAL / 2 / 2  # TP 2, then DP 2 for the distributed optimizer
+    assert mem.cpu_optimizer_gib * GIB == pytest.approx(16 * shard)
+    assert mem.optimizer_gib * GIB == pytest.approx(0 if precision_aware else 4 * shard)
+    assert mem.host_offload_gib_per_node * GIB == pytest.approx(4 * 16 * shard)  # 4 GPUs on the node
+    half = estimate_memory(TINY, dataclasses.replace(lay, optimizer_cpu_offload_fraction=0.5), gpu_gib=80.0)
+    gpu_part = 12 * shard / 2 + (0 if precision_aware else 4 * shard / 2)
+    assert half.optimizer_gib * GIB == pytest.approx(gpu_part)
+    assert half.cpu_optimizer_gib * GIB == pytest.approx(16 * shard / 2)
+
+
+def test_param_offload_copies_weights_and_frees_gradients():
+    # verl's offload_megatron_model_to_cpu copies the bf16 param buffer to pinned host memory and resizes the fp32
+    # grad buffer to 0 without a copy: the host holds 2 B per parameter, not 6.
+    mem = estimate_memory(TINY, _megatron(param_offload=True), gpu_gib=80.0)
+    assert mem.host_offload_gib_per_node * GIB == pytest.approx(4 * 2 * TINY_TOTAL / 2)
+    both = estimate_memory(TINY, _megatron(param_offload=True, optimizer_offload=True), gpu_gib=80.0)
+    assert both.host_offload_gib_per_node * GIB == pytest.approx(4 * (2 * TINY_TOTAL / 2 + 12 * TINY_TOTAL / 4))
+
+
+def test_vllm_startup_sees_the_trainer_before_its_first_step():
+    # verl builds the trainer before vLLM: bf16 weights, the fp32 grad buffer and the fp32 main parameters are on
+    # the GPU, Adam's moments are not yet; vLLM needs fraction x total free.
+    mem = estimate_memory(TINY, _megatron(), gpu_gib=10.0)
+    resident = 2 * TINY_TOTAL / 2 + 4 * TINY_TOTAL / 2 + 4 * TINY_TOTAL / 4
+    assert mem.rollout_startup_resident_gib * GIB == pytest.approx(resident)
+    assert mem.rollout_startup_free_gib * GIB == pytest.approx(10 * GIB - resident - RUNTIME_RESERVE_GIB * GIB)
+    assert mem.rollout_startup_needed_gib == pytest.approx(0.5 * 10)
+    offloaded = estimate_memory(TINY, _megatron(param_offload=True, optimizer_offload=True), gpu_gib=10.0)
+    assert offloaded.rollout_startup_resident_gib == 0
+
+
+def test_fsdp_follows_model_dtype():
+    lay = Layout(backend="fsdp", nnodes=1, gpus_per_node=4, ulysses_sp=2, ppo_max_token_len_per_gpu=1000,
+                 log_prob_max_token_len_per_gpu=1000, rollout_tp=2, model_dtype="bf16")  # fmt: skip
+    mem = estimate_memory(TINY, lay, gpu_gib=80.0)
+    shard = TINY_TOTAL / 4
+    gathered = 2 * (2 * TINY_LAYER + 3200)
+    # bf16 parameters; torch AdamW keeps its moments (and the gradients are) in the parameter's dtype
+    assert mem.weights_gib * GIB == pytest.approx(2 * shard + gathered)
+    assert mem.grads_gib * GIB == pytest.approx(2 * shard)
+    assert mem.optimizer_gib * GIB == pytest.approx(4 * shard)

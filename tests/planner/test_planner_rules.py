@@ -95,3 +95,58 @@ def test_every_violation_is_listed_not_just_the_first():
     lay = dataclasses.replace(_base("moe"), tp=3, ep=3, rollout_tp=3, ppo_mini_batch_size=48)
     rules = {v.rule for v in check_layout(QWEN3_30B_A3B, lay, None)}
     assert {"world-grid", "experts-ep", "heads-tp", "rollout-tp-node", "batch-mini"} <= rules
+
+
+def test_cpu_optimizer_without_the_precision_aware_optimizer_is_refused():
+    # megatron-LM's argument check: optimizer CPU offload must go with --use-precision-aware-optimizer.
+    key = "actor_rollout_ref.actor.optim.use_precision_aware_optimizer"
+    assert "optimizer-cpu-offload" in _rules("qwen3_30b_a3b_h100_1x8", f"{key}=false")
+    assert "optimizer-cpu-offload" not in _rules("qwen3_30b_a3b_h100_1x8")
+    # verl copies override_optimizer_config over its own keys, so the override decides
+    override = "actor_rollout_ref.actor.optim.override_optimizer_config.use_precision_aware_optimizer"
+    assert "optimizer-cpu-offload" in _rules("qwen3_30b_a3b_h100_1x8", f"+{override}=false")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.nnodes=0"],
+        ["trainer.n_gpus_per_node=0"],
+        ["trainer.nnodes=-2"],
+        [f"{MG}.tensor_model_parallel_size=0"],
+        ["actor_rollout_ref.rollout.tensor_model_parallel_size=0"],
+    ],
+)
+def test_counts_below_one_are_refused_by_the_world_size_rule(overrides):
+    preset = "qwen3_30b_a3b_h100_2x8"
+    _, mem, violations, _ = plan(preset, overrides)
+    assert {v.rule for v in violations} == {"world-size"}, [str(v) for v in violations]
+    assert mem is None  # nothing to estimate for an empty or degenerate grid
+    assert overrides[0].split("=")[0] in " ".join(str(v) for v in violations)
+
+
+def test_fsdp_counts_below_one_are_refused():
+    sp = "ulysses_sequence_parallel_size=0"
+    _, mem, violations, _ = plan(
+        "qwen3_1p7b_h100_1x8", [f"actor_rollout_ref.actor.{sp}", f"actor_rollout_ref.actor.fsdp_config.{sp}"]
+    )
+    assert {v.rule for v in violations} == {"world-size"} and mem is None
+
+
+PAPER_H200 = (
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=18432",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=18432",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
+)
+
+
+def test_the_papers_h200_settings_cannot_start_on_verl_0_9_1():
+    # vLLM checks free memory >= gpu_memory_utilization x total at start; verl 0.9.1 starts it after building the
+    # trainer, which keeps weights, grad buffer and fp32 main params on the GPU without offload.
+    _, mem, violations, _ = plan("qwen3_30b_a3b_h200_1x8", list(PAPER_H200))
+    assert {v.rule for v in violations} == {"rollout-startup", "memory-rollout"}, [str(v) for v in violations]
+    assert mem.rollout_startup_needed_gib == pytest.approx(0.85 * 140.4)
+    assert mem.rollout_startup_free_gib < mem.rollout_startup_needed_gib
+    # the same settings start once the trainer leaves the GPU before vLLM starts
+    offloaded = [*PAPER_H200, f"{MG}.param_offload=true", f"{MG}.optimizer_offload=true"]
+    assert "rollout-startup" not in _rules("qwen3_30b_a3b_h200_1x8", *offloaded)
