@@ -16,10 +16,21 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# The ReSPO paper's instruction, appended to every problem.
+# The authors' preprocessing (recipe/is_shape/tools/preprocess_datasets.py of the published code) appends an
+# instruction to each problem after one space, with no other change to the problem text. Training problems and
+# AMC23 get PROMPT_SUFFIX; AIME24 and AIME25 get AIME_SUFFIX.
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+AIME_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+SUFFIX_SEPARATOR = " "
 
-# DAPO-Math-17k wraps each problem in its own answer-format instruction; the paper replaces it with PROMPT_SUFFIX.
+# DAPO-Math-17k wraps each problem in its own answer-format instruction. The authors' code deletes this exact
+# prefix and replaces this exact postfix by SUFFIX_SEPARATOR + PROMPT_SUFFIX (plain string replacements).
+DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_POSTFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+# Looser forms of the same template (other copies of the dataset), removed when the exact strings are absent.
 _DAPO_PREFIX = re.compile(r"^\s*Solve the following math problem step by step\..*?\n\n", re.DOTALL)
 _DAPO_POSTFIX = re.compile(r"\n*\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
 
@@ -85,7 +96,17 @@ def user_text(value) -> str:
 
 
 def strip_dapo_template(text: str) -> str:
-    return _DAPO_POSTFIX.sub("", _DAPO_PREFIX.sub("", text)).strip()
+    """The problem inside DAPO's answer-format template, as the authors' replacements leave it (not stripped)."""
+    if DAPO_PREFIX in text and text.endswith(DAPO_POSTFIX):
+        return text.replace(DAPO_PREFIX, "")[: -len(DAPO_POSTFIX)]
+    if _DAPO_PREFIX.search(text) or _DAPO_POSTFIX.search(text):
+        return _DAPO_POSTFIX.sub("", _DAPO_PREFIX.sub("", text)).strip()
+    return text
+
+
+def with_suffix(problem: str, suffix: str = PROMPT_SUFFIX) -> str:
+    """The prompt text the authors' preprocessing builds: the problem, one space, the instruction."""
+    return f"{problem}{SUFFIX_SEPARATOR}{suffix}"
 
 
 def answer_text(value) -> str:
@@ -95,14 +116,16 @@ def answer_text(value) -> str:
     return str(value).strip()
 
 
-def make_row(problem: str, answer: str, data_source: str, index: int, split: str, source: str) -> dict:
+def make_row(
+    problem: str, answer: str, data_source: str, index: int, split: str, source: str, suffix: str = PROMPT_SUFFIX
+) -> dict:
     if not problem.strip():
         raise DataError(f"{source} row {index}: empty problem")
     if not answer:
         raise DataError(f"{source} row {index}: empty answer")
     return {
         "data_source": data_source,
-        "prompt": [{"content": f"{problem.strip()}\n{PROMPT_SUFFIX}", "role": "user"}],
+        "prompt": [{"content": with_suffix(problem, suffix), "role": "user"}],
         "ability": "MATH",
         "reward_model": {"ground_truth": answer, "style": "rule"},
         "extra_info": {"index": index, "split": split, "source": source},

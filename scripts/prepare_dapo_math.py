@@ -1,14 +1,20 @@
 #!/usr/bin/env python
-"""DAPO-Math-17k (processed) -> verl parquet with the ReSPO paper's prompt suffix.
+"""DAPO-Math-17k (processed) -> verl parquet, prompts as the authors' preprocessing builds them.
 
     python scripts/prepare_dapo_math.py --output ~/data/respo_verl/dapo_math_17k.parquet
     python scripts/prepare_dapo_math.py --source local.parquet --output out.parquet
 
 The source is an HF dataset name (default open-r1/DAPO-Math-17k-Processed, config ``all``) or a local
 .parquet/.json/.jsonl with either the processed schema (``prompt`` string + ``solution``) or DAPO's original
-(``prompt`` chat list + ``reward_model.ground_truth``). DAPO's own answer-format instruction is removed and the
-paper's suffix appended. Rewards: data_source ``math_dapo`` selects verl's DAPO math verifier; the overlong buffer
-is a reward-manager setting (task/dapo_math_overlong.yaml), not part of the data.
+(``prompt`` chat list + ``reward_model.ground_truth``). As in the authors' preprocessing, DAPO's answer-format
+prefix is deleted and its closing line replaced by one space and "Please reason step by step, and put your final
+answer within \\boxed{}."; the problem text is otherwise unchanged. Rewards: data_source ``math_dapo`` selects
+verl's DAPO math verifier; the overlong buffer is a reward-manager setting (task/dapo_math_overlong.yaml), not
+part of the data.
+
+Which problems: the authors train on BytedTsinghua-SIA/DAPO-Math-17k as published, English and Chinese problems
+alike. The ``all`` configuration of the processed copy is that release deduplicated by prompt, languages kept
+(``en`` would drop the Chinese ones), so it is the default; no row is filtered by language.
 """
 
 from __future__ import annotations

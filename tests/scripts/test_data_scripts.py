@@ -1,5 +1,5 @@
-"""The data scripts write exactly the schema verl's RLHFDataset reads, with the paper's suffix, from local inputs in
-the published datasets' schemas (no network here)."""
+"""The data scripts write exactly the schema verl's RLHFDataset reads, with the prompts the authors' preprocessing
+builds, from local inputs in the published datasets' schemas (no network here)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from math_data_common import PROMPT_SUFFIX, VERL_SCHEMA  # noqa: E402
+from math_data_common import AIME_SUFFIX, PROMPT_SUFFIX, VERL_SCHEMA  # noqa: E402
 
 DAPO_WRAPPED = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
@@ -72,8 +72,8 @@ def test_dapo_math_schema_suffix_and_verl_reads_it(processed_dapo, tmp_path):
     assert table.schema.equals(VERL_SCHEMA)
     rows = table.to_pylist()
     assert [r["prompt"][0]["content"] for r in rows] == [
-        f"What is $1+1$?\n{PROMPT_SUFFIX}",
-        f"Find $x$ if $2x = 6$.\n{PROMPT_SUFFIX}",
+        f"What is $1+1$? {PROMPT_SUFFIX}",
+        f"Find $x$ if $2x = 6$. {PROMPT_SUFFIX}",
     ]
     assert all(r["data_source"] == "math_dapo" and r["prompt"][0]["role"] == "user" for r in rows)
     assert [r["reward_model"] for r in rows] == [
@@ -83,7 +83,7 @@ def test_dapo_math_schema_suffix_and_verl_reads_it(processed_dapo, tmp_path):
     dataset = _read_with_verl(out, tmp_path)
     assert len(dataset) == 2
     item = dataset[1]
-    assert item["raw_prompt"] == [{"content": f"Find $x$ if $2x = 6$.\n{PROMPT_SUFFIX}", "role": "user"}]
+    assert item["raw_prompt"] == [{"content": f"Find $x$ if $2x = 6$. {PROMPT_SUFFIX}", "role": "user"}]
     assert item["reward_model"]["ground_truth"] == "3" and item["index"] == 1
 
 
@@ -102,8 +102,52 @@ def test_dapo_original_chat_schema_is_accepted(tmp_path):
     out = tmp_path / "o.parquet"
     assert _run("prepare_dapo_math.py", "--source", str(src), "--output", str(out)).returncode == 0
     row = pq.read_table(out).to_pylist()[0]
-    assert row["prompt"][0]["content"] == f"Compute $3^2$.\n{PROMPT_SUFFIX}"
+    assert row["prompt"][0]["content"] == f"Compute $3^2$. {PROMPT_SUFFIX}"
     assert row["reward_model"]["ground_truth"] == "9"
+
+
+# One DAPO-Math-17k row as published, and the prompt the authors' preprocessing makes of it, written out by hand:
+# the template's first paragraph deleted, its closing line replaced by one space and the instruction.
+OFFICIAL_EXAMPLE_IN = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+    "Let $f(x) = x^2$.  Find $f(3)$ .\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+OFFICIAL_EXAMPLE_OUT = (
+    "Let $f(x) = x^2$.  Find $f(3)$ . Please reason step by step, and put your final answer within \\boxed{}."
+)
+
+
+def test_prompt_matches_the_official_format_byte_for_byte(tmp_path):
+    row = {
+        "data_source": "math_dapo",
+        "prompt": [{"content": OFFICIAL_EXAMPLE_IN, "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "9", "style": "rule"},
+        "extra_info": {"index": "x"},
+    }
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps(row))
+    out = tmp_path / "one.parquet"
+    assert _run("prepare_dapo_math.py", "--source", str(src), "--output", str(out)).returncode == 0
+    content = pq.read_table(out).to_pylist()[0]["prompt"][0]["content"]
+    assert content.encode() == OFFICIAL_EXAMPLE_OUT.encode()
+
+
+def test_chinese_language_problems_are_kept(tmp_path):
+    # The authors train on every DAPO-Math-17k problem, Chinese ones included (the processed `all` configuration).
+    problem = "已知 $x+1=3$，求 $x$。"
+    rows = [{"prompt": DAPO_WRAPPED.format(p=problem), "solution": "2", "data_source": "math_dapo"}]
+    src = tmp_path / "cn.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    out = tmp_path / "cn_out.parquet"
+    assert _run("prepare_dapo_math.py", "--source", str(src), "--output", str(out)).returncode == 0
+    written = pq.read_table(out).to_pylist()
+    assert [r["prompt"][0]["content"] for r in written] == [f"{problem} {PROMPT_SUFFIX}"]
+    import prepare_dapo_math
+
+    assert prepare_dapo_math.DEFAULT_CONFIG == "all"
 
 
 def test_eval_benchmarks(tmp_path):
@@ -117,6 +161,9 @@ def test_eval_benchmarks(tmp_path):
     a, m = (pq.read_table(tmp_path / f"{b}.parquet") for b in ("aime24", "amc23"))
     assert a.schema.equals(VERL_SCHEMA) and m.schema.equals(VERL_SCHEMA)
     assert a.to_pylist()[0]["data_source"] == "aime24"
+    # the authors' instructions: AIME gets "Let's think step by step ...", AMC23 the training suffix
+    assert a.to_pylist()[0]["prompt"][0]["content"] == f"Find the remainder. {AIME_SUFFIX}"
+    assert m.to_pylist()[0]["prompt"][0]["content"] == f"How many? {PROMPT_SUFFIX}"
     amc_row = m.to_pylist()[0]
     assert amc_row["reward_model"]["ground_truth"] == "27"  # 27.0 from the float column
     assert amc_row["data_source"] == "math_dapo" and amc_row["extra_info"]["source"] == "amc23"
