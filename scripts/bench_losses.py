@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from bench_common import cpu_name, quartiles, write_json
 
-# (registry name, algorithm preset); the first is the reference of every ratio.
-LOSSES = (("vanilla", "grpo"), ("gspo", "gspo"), ("respo", "respo"), ("vespo", "vespo"))
-REFERENCE = "vanilla"
+from respo_verl import algorithms
+from respo_verl.compose import CPU_COMPOSE_OVERRIDES
+
+# The preset whose loss (verl's PPO-clip, ``vanilla``) is the reference of every ratio.
+REFERENCE_PRESET = "grpo"
 # Acceptance target: ReSPO may cost at most 10% more than verl's PPO-clip loss.
 TARGET = ("respo", 1.10)
-# Keys verl's dataclass conversion needs without a GPU cluster (as in tests/conftest.py).
-COMPOSE_OVERRIDES = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
 MIB = 2**20
 
 
@@ -46,7 +46,7 @@ def actor_config(algorithm: str) -> Any:
 
     from respo_verl.compose import compose_job
 
-    cfg = compose_job("respo", [f"algorithm={algorithm}", *COMPOSE_OVERRIDES])
+    cfg = compose_job("respo", [f"algorithm={algorithm}", *CPU_COMPOSE_OVERRIDES])
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
@@ -181,13 +181,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
 
     inputs = make_inputs(args.batch, args.length, dtype, device, args.seed)
-    names = [name for name, _ in LOSSES]
+    # Each preset's registered loss, the reference first; (loss name, preset) pairs.
+    presets = sorted(algorithms.ALGORITHMS, key=lambda a: a != REFERENCE_PRESET)
+    preset_configs = {preset: actor_config(preset) for preset in presets}
+    losses = [(preset_configs[p].policy_loss.loss_mode, p) for p in presets]
+    reference = losses[0][0]
+    names = [name for name, _ in losses]
     loss_fns = {name: get_policy_loss_fn(name) for name in names}
     configs = {}
-    for name, algorithm in LOSSES:
-        config = actor_config(algorithm)
-        if config.policy_loss.loss_mode != name:
-            raise RuntimeError(f"algorithm={algorithm} selects loss_mode={config.policy_loss.loss_mode}, not {name}")
+    for name, algorithm in losses:
+        config = preset_configs[algorithm]
         # As the engine sets it before ppo_loss (verl.workers.utils.losses.ppo_loss): one rank, whole batch.
         config.global_batch_info.update(
             dp_size=1,
@@ -212,14 +215,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_after = os.getloadavg()
     peaks = {name: peak_extra_bytes(loss_fns[name], configs[name], inputs, cuda) for name in names}
 
-    ref_median = statistics.median(times[REFERENCE])
+    ref_median = statistics.median(times[reference])
     results = {}
     for name in names:
         q1, median, q3 = quartiles(times[name])
-        paired = [t / t_ref for t, t_ref in zip(times[name], times[REFERENCE])]
+        paired = [t / t_ref for t, t_ref in zip(times[name], times[reference])]
         p1, p_median, p3 = quartiles(paired)
         results[name] = {
-            "preset": dict(LOSSES)[name],
+            "preset": dict(losses)[name],
             "loss_agg_mode": configs[name].loss_agg_mode,
             "times_ms": [t * 1e3 for t in times[name]],
             "median_ms": median * 1e3,
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"- peak extra memory: {memory_note}\n")
     print(
         "| loss | preset (loss_agg_mode) | median ms | IQR ms | ratio of medians | "
-        "ratio to vanilla (median of paired ratios) [IQR] | peak extra memory MB |"
+        f"ratio to {reference} (median of paired ratios) [IQR] | peak extra memory MB |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, res in results.items():
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     achieved = results[target_name]["paired_ratio_median"]
     verdict = "met" if achieved <= target_ratio else "NOT met"
     print(
-        f"\nTarget: {target_name} ≤ {target_ratio:.2f}× {REFERENCE} (median of paired ratios): "
+        f"\nTarget: {target_name} ≤ {target_ratio:.2f}× {reference} (median of paired ratios): "
         f"{achieved:.3f}× — {verdict}. (MB = 2^20 bytes.)"
     )
 

@@ -15,21 +15,20 @@ os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import pytest
 
-# Keys that verl's validate_config needs without a GPU cluster: a rollout backend name, and micro-batch sizes.
+from respo_verl.compose import CPU_COMPOSE_OVERRIDES as _DATACLASS_OVERRIDES
+from respo_verl.compose import compose_job
+
+# What verl's validate_config needs on top of the dataclass conversion's keys, without a GPU cluster: the
+# log-prob micro-batch sizes of the rollout and the reference model.
 CPU_COMPOSE_OVERRIDES = (
-    "actor_rollout_ref.rollout.name=vllm",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    *_DATACLASS_OVERRIDES,
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "trainer.n_gpus_per_node=8",
-    "trainer.nnodes=1",
 )
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), entry: str = "respo"):
     """Compose the job config of ``entry`` (``respo`` = our main_ppo, ``verl`` = verl's main_ppo)."""
-    from respo_verl.compose import compose_job
-
     return compose_job(entry, overrides)
 
 

@@ -16,12 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-ALGORITHMS = ("grpo", "gspo", "vespo", "respo")
-# Keys verl's dataclass conversion needs without a GPU cluster (as tests/conftest.py and scripts/bench_losses.py).
-CPU_COMPOSE_OVERRIDES = (
-    "actor_rollout_ref.rollout.name=vllm",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-)
+from respo_verl import algorithms
+from respo_verl.compose import CPU_COMPOSE_OVERRIDES, compose_job
 
 
 @dataclass
@@ -29,7 +25,7 @@ class AlgorithmSetup:
     """One algorithm preset, resolved the way verl resolves it.
 
     Attributes:
-        name: the preset (``grpo``, ``gspo``, ``vespo``, ``respo``).
+        name: the preset, one of :data:`respo_verl.algorithms.ALGORITHMS`.
         loss_mode: ``actor.policy_loss.loss_mode`` of the preset (``vanilla`` for ``grpo``).
         actor_config: verl's actor dataclass (``FSDPActorConfig``) built from the composed config.
         algorithm_config: the composed ``algorithm`` node (OmegaConf), as the trainer passes it to the estimator.
@@ -55,25 +51,19 @@ def load_algorithm(name: str, overrides: Sequence[str] = ()) -> AlgorithmSetup:
     """Compose ``respo_trainer`` with ``algorithm=<name>`` and resolve its actor config and policy loss.
 
     Args:
-        name: one of :data:`ALGORITHMS`.
+        name: one of :data:`respo_verl.algorithms.ALGORITHMS`.
         overrides: further Hydra overrides (e.g. ``actor_rollout_ref.actor.policy_loss.respo.lambda_pos=1``).
 
     Raises:
-        ValueError: for an unknown preset.
+        ValueError: for an unknown preset; :class:`respo_verl.compose.ComposeError` for overrides Hydra rejects.
     """
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    algorithms.get(name)
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
     from verl.utils.config import omega_conf_to_dataclass
 
     import respo_verl.verl.plugin  # noqa: F401  (registers respo/vespo where the entry point was not loaded)
 
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="respo_verl.verl.conf", version_base=None):
-        cfg = compose(config_name="respo_trainer", overrides=[f"algorithm={name}", *CPU_COMPOSE_OVERRIDES, *overrides])
-    GlobalHydra.instance().clear()
+    cfg = compose_job("respo", [f"algorithm={name}", *CPU_COMPOSE_OVERRIDES, *overrides])
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     loss_mode = actor_config.policy_loss.get("loss_mode", "vanilla")
     return AlgorithmSetup(name, loss_mode, actor_config, cfg.algorithm, get_policy_loss_fn(loss_mode))
