@@ -1,18 +1,20 @@
-"""The verifiable task of ``respo-verl mini``: add a few digits, optionally thinking aloud first.
+"""The verifiable task of ``respo-verl mini``: add eight digits (0–4), writing every intermediate sum.
 
-Prompt: ``<bos> d_1 … d_k =`` with k ∈ [K_MIN, K_MAX] digits. The verifier checks only the final answer: a response
-is correct (reward +1) iff it ends with ``# S <eos>`` where S = Σ d_i, within the response budget; anything else is
-−1. Two ways of answering exist, and the warm start (``model.py``) teaches both:
+Prompt: ``<bos> d_1 … d_K =`` with K = :data:`N_DIGITS` digits. The verifier checks only the final answer: a
+response is correct (reward +1) iff it ends, within the response budget, with ``# S <eos>`` where S = Σ d_i; anything
+else is −1. The warm start (``model.py``) teaches two ways of answering:
 
-- **direct** ``# S' <eos>`` (3 tokens): the base model has only seen guesses here, so it is right about once in
-  ``MAX_SUM + 1`` tries. The short wrong answer is the common failure.
-- **thinking** ``: [~]* p_1 [~]* p_2 … [~]* p_k # S <eos>`` (≈ 2k + 4 tokens): the running sums p_i, each preceded by
-  0–2 free filler tokens ``~a … ~d``. Working it out this way is how the answer can be right, so correct responses
-  are longer than wrong ones; the fillers are the "style" tokens of a real reasoning trace — free choices of high
-  entropy that the policy drifts on under reuse, which is what sends long responses to log W ≪ 0 (SPEC §1).
+- **worked** ``: [f × F  d_i  p_i] × K  # p_K <eos>`` (:data:`WORKED_LEN` tokens): K steps, each F free filler tokens
+  (:data:`FILLERS_PER_STEP`, any of :data:`N_FILLERS`), the digit being added and the running sum p_i. The fillers
+  stand for the free wording of a reasoning trace: high-entropy choices that no reward depends on, so under rollout
+  reuse each of them drifts a little, and over a long response the drift compounds into log W ≪ 0 (the regime of
+  arXiv 2609.35433, §1) without any single token moving far.
+- **premature** ``# g <eos>`` straight away, or after m < K worked steps (``: [step] × m # g <eos>``): the answer is
+  guessed before the work is done. This is the main failure, and it is short, so correct answers are longer than
+  wrong ones.
 
-The base model thinks aloud in a minority of its answers and its running sums are not yet reliable, so it succeeds
-rarely; RL has to learn to think aloud and to add correctly.
+The base model answers prematurely in most of its responses and its running sums are not perfect, so it succeeds in
+a minority of them; RL has to learn to finish the work and to add correctly.
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ import torch
 
 # Special tokens.
 PAD, BOS, EOS, EQ, THINK, ANS = 0, 1, 2, 3, 4, 5
-N_FILLERS = 4
+N_FILLERS = 8
 FILLER_BASE = 6  # fillers are FILLER_BASE .. FILLER_BASE + N_FILLERS − 1
-NUM_BASE = FILLER_BASE + N_FILLERS  # number n is token NUM_BASE + n (digits of the prompt too)
-K_MIN, K_MAX = 3, 6  # digits per prompt: enough steps for long answers, few enough for a tiny model
-MAX_SUM = 9 * K_MAX
+NUM_BASE = FILLER_BASE + N_FILLERS  # number n is token NUM_BASE + n (the prompt's digits too)
+# Digits per prompt and fillers per step: a worked answer of 84 tokens, long enough that the per-token drift of the
+# fillers compounds, short enough for a 2-core CPU.
+N_DIGITS = 8
+MAX_DIGIT = 4  # digits 0..4: sums up to 32, an addition table the tiny model learns in a short warm start
+FILLERS_PER_STEP = 8
+STEP_LEN = FILLERS_PER_STEP + 2  # fillers, the digit, the running sum
+MAX_SUM = MAX_DIGIT * N_DIGITS
 VOCAB_SIZE = NUM_BASE + MAX_SUM + 1
-MAX_FILLERS_PER_STEP = 2
-PROMPT_LEN = K_MAX + 2  # <bos>, K_MAX digits (left-padded), "="
-# Longest thinking answer (":" + K_MAX·(fillers + sum) + "# S <eos>") plus room to ramble before truncation.
-LONGEST_ANSWER = 1 + K_MAX * (MAX_FILLERS_PER_STEP + 1) + 3
-MAX_RESPONSE_LEN = LONGEST_ANSWER + 2
+PROMPT_LEN = N_DIGITS + 2  # <bos>, digits, "="
+WORKED_LEN = 1 + N_DIGITS * STEP_LEN + 3  # ":", the steps, "# S <eos>"
+# Room to ramble past the longest well-formed answer before the response is truncated (and scored −1).
+MAX_RESPONSE_LEN = WORKED_LEN + 4
 TOKEN_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", EQ: "=", THINK: ":", ANS: "#"}
 
 
@@ -49,7 +55,7 @@ def detokenize(ids: list[int]) -> str:
         if i in TOKEN_NAMES:
             out.append(TOKEN_NAMES[i])
         elif FILLER_BASE <= i < NUM_BASE:
-            out.append("~" + "abcd"[i - FILLER_BASE])
+            out.append("~" + "abcdefgh"[i - FILLER_BASE])
         else:
             out.append(str(i - NUM_BASE))
     return " ".join(out)
@@ -60,9 +66,9 @@ class Prompts:
     """A batch of prompts.
 
     Attributes:
-        input_ids: (P, PROMPT_LEN) left-padded with PAD.
-        attention_mask: (P, PROMPT_LEN) 1 on real tokens.
-        digits: (P, K_MAX) the digits, −1 beyond k.
+        input_ids: (P, PROMPT_LEN).
+        attention_mask: (P, PROMPT_LEN) 1 on real tokens (all of them: prompts have one length).
+        digits: (P, N_DIGITS).
         answer: (P,) the sum.
     """
 
@@ -79,43 +85,39 @@ class Prompts:
 
 
 def sample_prompts(n: int, generator: torch.Generator) -> Prompts:
-    """``n`` prompts with k ~ U{K_MIN..K_MAX} and digits ~ U{0..9}."""
-    k = torch.randint(K_MIN, K_MAX + 1, (n,), generator=generator)  # (P,)
-    digits = torch.randint(0, 10, (n, K_MAX), generator=generator)  # (P, K_MAX)
-    valid = torch.arange(K_MAX).unsqueeze(0) < k.unsqueeze(1)  # (P, K_MAX)
-    digits = torch.where(valid, digits, -1)
-    answer = torch.where(valid, digits, 0).sum(dim=1)  # (P,)
-    input_ids = torch.full((n, PROMPT_LEN), PAD, dtype=torch.long)
-    attention_mask = torch.zeros((n, PROMPT_LEN), dtype=torch.long)
-    for i in range(n):
-        ki = int(k[i])
-        row = [BOS, *(int(num(d)) for d in digits[i, :ki]), EQ]
-        input_ids[i, PROMPT_LEN - len(row) :] = torch.tensor(row)
-        attention_mask[i, PROMPT_LEN - len(row) :] = 1
-    return Prompts(input_ids, attention_mask, digits, answer)
+    """``n`` prompts of N_DIGITS digits ~ U{0..MAX_DIGIT}."""
+    digits = torch.randint(0, MAX_DIGIT + 1, (n, N_DIGITS), generator=generator)  # (P, K)
+    input_ids = torch.cat([torch.full((n, 1), BOS), num(digits), torch.full((n, 1), EQ)], dim=1)  # (P, PROMPT_LEN)
+    return Prompts(input_ids, torch.ones_like(input_ids), digits, digits.sum(dim=1))
 
 
-def thinking_answer(digits: list[int], generator: torch.Generator) -> list[int]:
-    """A correct thinking-aloud response for ``digits`` with random fillers."""
+def worked_steps(digits: list[int], n_steps: int, generator: torch.Generator) -> list[int]:
+    """``:`` and the first ``n_steps`` worked steps for ``digits``, with random fillers."""
     out, running = [THINK], 0
-    for d in digits:
-        n_fill = int(torch.randint(0, MAX_FILLERS_PER_STEP + 1, (1,), generator=generator))
-        out += [FILLER_BASE + int(f) for f in torch.randint(0, N_FILLERS, (n_fill,), generator=generator)]
-        running += d
-        out.append(int(num(running)))
-    return [*out, ANS, int(num(running)), EOS]
+    fillers = torch.randint(0, N_FILLERS, (n_steps, FILLERS_PER_STEP), generator=generator)  # (m, F)
+    for i in range(n_steps):
+        running += digits[i]
+        out += [FILLER_BASE + int(f) for f in fillers[i]]
+        out += [int(num(digits[i])), int(num(running))]
+    return out
 
 
-def direct_guess(generator: torch.Generator) -> list[int]:
-    """A direct answer with a uniformly guessed sum: what the base model has seen of direct answers."""
-    return [ANS, int(num(int(torch.randint(0, MAX_SUM + 1, (1,), generator=generator)))), EOS]
+def worked_answer(digits: list[int], generator: torch.Generator) -> list[int]:
+    """A correct worked response for ``digits``."""
+    return [*worked_steps(digits, len(digits), generator), ANS, int(num(sum(digits))), EOS]
+
+
+def premature_answer(digits: list[int], n_steps: int, generator: torch.Generator) -> list[int]:
+    """A guess ``# g <eos>`` (g uniform) after ``n_steps`` < K worked steps (none: a direct guess)."""
+    guess = int(torch.randint(0, MAX_SUM + 1, (1,), generator=generator))
+    head = worked_steps(digits, n_steps, generator) if n_steps > 0 else []
+    return [*head, ANS, int(num(guess)), EOS]
 
 
 def response_lengths(response: torch.Tensor) -> torch.Tensor:
     """(B,) tokens up to and including the first EOS, or the full length when there is none (truncated)."""
     is_eos = response == EOS  # (B, T)
-    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, response.shape[1])  # (B,)
-    return first
+    return torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, response.shape[1])  # (B,)
 
 
 def verify(response: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
@@ -137,6 +139,8 @@ def verify(response: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
     return torch.where(correct, 1.0, -1.0)
 
 
-def uses_thinking(response: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: the response starts by thinking aloud."""
-    return response[:, 0] == THINK
+def completed_steps(response: torch.Tensor) -> torch.Tensor:
+    """(B,) worked steps written before the answer marker (0 for a direct guess), from the response's length."""
+    lengths = response_lengths(response)  # (B,)
+    worked = response[:, 0] == THINK  # (B,)
+    return torch.where(worked, ((lengths - 4).clamp(min=0) // STEP_LEN).clamp(max=N_DIGITS), 0)

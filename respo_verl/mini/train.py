@@ -1,10 +1,10 @@
 """One run of the miniature experiment: RLVR with rollout reuse N on the tiny model, one algorithm, one seed.
 
-The schedule is the paper's (SPEC §1, §5): each training step samples a rollout batch of P prompts × G responses
-from the current policy, scores it with the verifier, computes GRPO advantages with verl's ``compute_advantage``,
-recomputes π_old once (no gradient) and then applies N mini-batches of P/N prompts one after another (ppo_epochs 1),
-so the j-th mini-batch is j−1 optimizer steps stale. Each update calls the preset's loss from verl's registry
-(``respo_verl.verl.experiment``) and steps AdamW.
+The schedule is the paper's (arXiv 2609.35433): each training step (``collect``) samples a rollout batch of
+P prompts × G responses from the current policy, scores it with the verifier, computes GRPO advantages with verl's
+``compute_advantage`` and recomputes π_old once (no gradient); then N mini-batches of P/N prompts are applied one
+after another (``update``, ppo_epochs 1), so the j-th mini-batch is j−1 optimizer steps stale. Each update calls the
+preset's loss from verl's registry (``respo_verl.verl.experiment``) and steps AdamW.
 
 Logging (verl's file-logger format): one JSON line ``{"step": <optimizer step>, "data": {...}}`` per optimizer step,
 ``step`` counting optimizer steps from 1; ``data["training/global_step"]`` is verl's training step (rollout batch,
@@ -28,14 +28,14 @@ from respo_verl.core import kernel_diagnostics
 from respo_verl.core.diagnostics import diagnostic_keys
 from respo_verl.core.kernels import sequence_log_weight
 from respo_verl.core.losses import KernelTerms
-from respo_verl.mini import task
+from respo_verl.mini import regime, task
 from respo_verl.mini.rollout import Rollout, response_log_prob, sample
 from respo_verl.routing.hf import RoutingReplay
 from respo_verl.verl import experiment
 
-# SPEC §1: the sequence log-weight is clamped to ±20 by every kernel; the diagnostics use the same clamp.
+# The sequence log-weight is clamped to ±20 by every kernel; the diagnostics use the same clamp.
 LOG_W_CLIP = 20.0
-# SPEC §5: 5 % linear warm-up of the learning rate, gradient clipping at 1.0.
+# The paper's optimiser protocol: 5 % linear warm-up of the learning rate, gradient clipping at 1.0.
 WARMUP_SHARE = 0.05
 GRAD_CLIP = 1.0
 PROJECT_NAME = "respo_verl_mini"  # verl's FileLogger writes <root>/<project_name>/<experiment_name>.jsonl
@@ -53,7 +53,8 @@ class RunConfig:
         rollout_prompts: P, prompts per rollout batch (a multiple of N).
         group_size: G, responses per prompt.
         lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay (SPEC §5: 0.1).
+        warm_seed: seed of the warm start the run starts from (recorded in the run's name).
+        weight_decay: AdamW weight decay (the paper's 0.1).
         routing_replay: R2 routing replay (MoE models): the experts chosen in the π_old forward are replayed in
             every update forward of the same rollout batch, so log W carries no expert flips (SPEC §6).
     """
@@ -64,7 +65,8 @@ class RunConfig:
     optimizer_steps: int
     rollout_prompts: int
     group_size: int = 8
-    lr: float = 3e-4
+    lr: float = 1e-4
+    warm_seed: int = 0
     weight_decay: float = 0.1
     routing_replay: bool = False
 
@@ -74,7 +76,8 @@ class RunConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.algorithm}_n{self.reuse}_seed{self.seed}" + ("_r2" if self.routing_replay else "")
+        replay = "_r2" if self.routing_replay else ""
+        return f"{self.algorithm}_n{self.reuse}_lr{self.lr:.0e}_w{self.warm_seed}_seed{self.seed}{replay}"
 
 
 @dataclass
@@ -101,12 +104,22 @@ class UpdateEvent:
 
 @dataclass
 class RunResult:
-    """Per-optimizer-step series of one run (also in its JSONL log)."""
+    """Per-optimizer-step series of one run (also in its JSONL log).
+
+    Attributes:
+        stale_single_token_shares: per starved positive of the stale half of the rollout batches, the share of its
+            log W carried by its most negative token (``regime.update_counts``).
+    """
 
     config: RunConfig
     log_path: Path
     records: list[dict[str, Any]] = field(default_factory=list)
+    stale_single_token_shares: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+
+    @property
+    def regime(self) -> regime.RegimeCheck:
+        return regime.summarise(self.config.reuse, self.records, self.stale_single_token_shares)
 
 
 def _checksum(model: torch.nn.Module) -> float:
@@ -150,7 +163,7 @@ def starvation_diagnostics(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
 ) -> dict[str, float]:
-    """SPEC §4 diagnostics for any algorithm, through ``respo_verl.core.kernel_diagnostics``.
+    """The starvation diagnostics for any algorithm, through ``respo_verl.core.kernel_diagnostics``.
 
     φ is the effective coefficient of :func:`effective_coefficient`; the starvation mass share is then each
     sequence's share of Σ|∂loss/∂log π_θ|, the gradient the loss actually gave it.
@@ -182,8 +195,8 @@ def rollout_metrics(rollout: Rollout, reward: torch.Tensor, advantages: torch.Te
     """verl's data metrics of the rollout batch (verl's names) plus ours under ``mini/``."""
     lengths = rollout.response_mask.sum(dim=1).float()  # (B,)
     correct = reward > 0  # (B,)
-    mask = rollout.response_mask
-    adv_valid = advantages[mask]
+    adv_valid = advantages[rollout.response_mask]
+    steps = task.completed_steps(rollout.response).float()  # (B,)
     return {
         # verl: score = sequence score from the reward function (here ±1), rewards = score without KL penalty.
         "critic/score/mean": float(reward.mean()),
@@ -203,8 +216,136 @@ def rollout_metrics(rollout: Rollout, reward: torch.Tensor, advantages: torch.Te
         "mini/score": float(((reward + 1) / 2).mean()),
         "mini/response_length/correct_mean": _masked_mean(lengths, correct),
         "mini/response_length/wrong_mean": _masked_mean(lengths, ~correct),
-        "mini/think_frac": float(task.uses_thinking(rollout.response).float().mean()),
+        "mini/worked_frac": float((steps == task.N_DIGITS).float().mean()),
+        "mini/premature_frac": float((steps < task.N_DIGITS).float().mean()),
     }
+
+
+@dataclass
+class RolloutBatch:
+    """One training step's data: sampled, scored, with advantages and π_old (and R2 routes when replaying).
+
+    Attributes:
+        training_step: 1-based.
+        rollout: P·G responses.
+        reward: (B,) ±1.
+        advantages: (B, T) from verl's ``compute_advantage``.
+        old_log_prob: (B, T) π_old, recomputed once before the first update (verl's default).
+        routes: R2 routes of the π_old forward per layer, (B, L, k); None without routing replay.
+        metrics: rollout metrics and timings logged with every update of the batch.
+    """
+
+    training_step: int
+    rollout: Rollout
+    reward: torch.Tensor
+    advantages: torch.Tensor
+    old_log_prob: torch.Tensor
+    routes: dict[int, torch.Tensor] | None
+    metrics: dict[str, float]
+
+
+@dataclass
+class _RunState:
+    """What persists across the updates of a run."""
+
+    cfg: RunConfig
+    setup: experiment.AlgorithmSetup
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    replay: RoutingReplay | None
+    prompt_gen: torch.Generator
+    sample_gen: torch.Generator
+    step: int = 0
+
+
+def collect(state: _RunState, training_step: int) -> RolloutBatch:
+    """Sample a rollout batch from the current policy, score it, compute advantages and π_old."""
+    cfg, model = state.cfg, state.model
+    t0 = time.perf_counter()
+    model.eval()
+    prompts = task.sample_prompts(cfg.rollout_prompts, state.prompt_gen).repeat_interleave(cfg.group_size)
+    rollout = sample(model, prompts, task.MAX_RESPONSE_LEN, state.sample_gen)
+    t_gen = time.perf_counter() - t0
+    reward = task.verify(rollout.response, prompts.answer)  # (B,)
+    mask = rollout.response_mask  # (B, T)
+    token_level_rewards = torch.zeros(mask.shape)  # (B, T)
+    token_level_rewards[torch.arange(mask.shape[0]), mask.sum(dim=1) - 1] = reward
+    uids = [f"{training_step}-{i // cfg.group_size}" for i in range(mask.shape[0])]
+    advantages = experiment.compute_advantages(state.setup, token_level_rewards, mask, uids)  # (B, T)
+    t1 = time.perf_counter()
+    routes = None
+    with torch.no_grad():
+        if state.replay is None:
+            old_log_prob = response_log_prob(model, rollout)  # (B, T)
+        else:
+            with state.replay.record() as flat_routes:  # R2: record the π_old forward's experts
+                old_log_prob = response_log_prob(model, rollout)  # (B, T)
+            seq_len = rollout.prompts.input_ids.shape[1] + rollout.response.shape[1]
+            routes = {layer: r.view(-1, seq_len, r.shape[-1]) for layer, r in flat_routes.items()}  # (B, L, k)
+    metrics = rollout_metrics(rollout, reward, advantages)
+    metrics |= {"timing_s/gen": t_gen, "timing_s/old_log_prob": time.perf_counter() - t1}
+    return RolloutBatch(training_step, rollout, reward, advantages, old_log_prob, routes, metrics)
+
+
+def update(
+    state: _RunState, batch: RolloutBatch, j: int, on_update: Callable[[UpdateEvent], None] | None
+) -> tuple[dict[str, Any], list[float]]:
+    """Apply mini-batch ``j`` of ``batch`` (j optimizer steps stale) with the preset's registered loss.
+
+    Returns:
+        The update's log data and the single-token shares of its starved positives (``regime.update_counts``).
+    """
+    cfg, model, optimizer = state.cfg, state.model, state.optimizer
+    t0 = time.perf_counter()
+    mb_rows = cfg.rollout_prompts // cfg.reuse * cfg.group_size
+    rows = slice(j * mb_rows, (j + 1) * mb_rows)
+    mb = batch.rollout.rows(rows)
+    mb_mask = mb.response_mask
+    old_log_prob, advantages = batch.old_log_prob[rows], batch.advantages[rows]
+    lr = _lr_at(state.step + 1, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    model.train()
+    if state.replay is None:
+        log_prob = response_log_prob(model, mb)  # (b, T)
+    else:
+        mb_routes = {layer: r[rows] for layer, r in batch.routes.items()}  # (b, L, k)
+        tokens = torch.cat([mb.prompts.attention_mask.bool(), mb_mask], dim=1)  # (b, L): not padding
+        with state.replay.replay(mb_routes, token_mask=tokens):
+            log_prob = response_log_prob(model, mb)  # (b, T)
+    log_prob.retain_grad()
+    experiment.set_global_batch_info(state.setup.actor_config, int(mb_mask.sum()), mb_mask.shape[0])
+    pg_loss, loss_metrics = experiment.policy_loss(state.setup, old_log_prob, log_prob, advantages, mb_mask)
+    optimizer.zero_grad(set_to_none=True)
+    pg_loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP))
+    before = _checksum(model) if on_update is not None else 0.0
+    optimizer.step()
+    state.step += 1
+    grad_log_prob, log_prob = log_prob.grad, log_prob.detach()
+    diag = starvation_diagnostics(log_prob, grad_log_prob, old_log_prob, advantages, mb_mask)
+    counts, shares = regime.update_counts(log_prob, old_log_prob, advantages, mb_mask)
+    if on_update is not None:
+        event = UpdateEvent(batch.training_step, j, batch.old_log_prob, rows, log_prob, before, _checksum(model))
+        on_update(event)
+    data = {
+        "training/global_step": batch.training_step,
+        "mini/optimizer_step": state.step,
+        "mini/minibatch": j,
+        "mini/reuse": cfg.reuse,
+        **batch.metrics,
+        "mini/score_minibatch": float(((batch.reward[rows] + 1) / 2).mean()),
+        "actor/pg_loss": float(pg_loss.detach()),
+        "actor/lr": lr,
+        "actor/grad_norm": grad_norm,
+        "mini/grad_clipped": float(grad_norm > GRAD_CLIP),
+        **loss_metrics,
+        **diag,
+        **counts,
+        **(state.replay.diagnostics() if state.replay is not None else {}),
+        "timing_s/update_actor": time.perf_counter() - t0,
+    }
+    return data, shares
 
 
 def train(
@@ -227,101 +368,36 @@ def train(
 
     setup = experiment.load_algorithm(cfg.algorithm)
     model = copy.deepcopy(base_model).train()
-    replay = RoutingReplay(model) if cfg.routing_replay else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    prompt_gen = torch.Generator().manual_seed(cfg.seed)
-    sample_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)  # independent stream for sampling
     torch.manual_seed(cfg.seed)
+    state = _RunState(
+        cfg=cfg,
+        setup=setup,
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay),
+        replay=RoutingReplay(model) if cfg.routing_replay else None,
+        prompt_gen=torch.Generator().manual_seed(cfg.seed),
+        sample_gen=torch.Generator().manual_seed(cfg.seed + 1_000_003),  # independent stream for sampling
+    )
     log_path = Path(log_dir) / PROJECT_NAME / f"{cfg.name}.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     result = RunResult(cfg, log_path)
-    mb_prompts = cfg.rollout_prompts // cfg.reuse
-    mb_rows = mb_prompts * cfg.group_size
     start = time.perf_counter()
-    step = 0
-    with open(log_path, "wb", buffering=0) as log:
-        for training_step in range(1, cfg.training_steps + 1):
-            t0 = time.perf_counter()
-            model.eval()
-            prompts = task.sample_prompts(cfg.rollout_prompts, prompt_gen).repeat_interleave(cfg.group_size)
-            rollout = sample(model, prompts, task.MAX_RESPONSE_LEN, sample_gen)
-            t_gen = time.perf_counter() - t0
-            reward = task.verify(rollout.response, prompts.answer)  # (B,)
-            mask = rollout.response_mask  # (B, T)
-            last = mask.sum(dim=1) - 1  # (B,)
-            token_level_rewards = torch.zeros(mask.shape)  # (B, T)
-            token_level_rewards[torch.arange(mask.shape[0]), last] = reward
-            uids = [f"{training_step}-{i // cfg.group_size}" for i in range(mask.shape[0])]
-            advantages = experiment.compute_advantages(setup, token_level_rewards, mask, uids)  # (B, T)
-            t1 = time.perf_counter()
-            with torch.no_grad():  # π_old, recomputed once before the first update (verl's default)
-                if replay is None:
-                    old_log_prob = response_log_prob(model, rollout)  # (B, T)
-                else:
-                    with replay.record() as flat_routes:  # R2: record the π_old forward's experts
-                        old_log_prob = response_log_prob(model, rollout)  # (B, T)
-                    seq_len = rollout.prompts.input_ids.shape[1] + rollout.response.shape[1]
-                    routes = {layer: r.view(-1, seq_len, r.shape[-1]) for layer, r in flat_routes.items()}  # (B, L, k)
-            t_old = time.perf_counter() - t1
-            step_metrics = rollout_metrics(rollout, reward, advantages)
-            model.train()
-            for j in range(cfg.reuse):
-                t2 = time.perf_counter()
-                rows = slice(j * mb_rows, (j + 1) * mb_rows)
-                mb = rollout.rows(rows)
-                mb_mask = mb.response_mask
-                lr = _lr_at(step + 1, cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                if replay is None:
-                    log_prob = response_log_prob(model, mb)  # (b, T)
-                else:
-                    mb_routes = {layer: r[rows] for layer, r in routes.items()}  # (b, L, k)
-                    tokens = torch.cat([mb.prompts.attention_mask.bool(), mb_mask], dim=1)  # (b, L): not padding
-                    with replay.replay(mb_routes, token_mask=tokens):
-                        log_prob = response_log_prob(model, mb)  # (b, T)
-                log_prob.retain_grad()
-                experiment.set_global_batch_info(setup.actor_config, int(mb_mask.sum()), mb_mask.shape[0])
-                pg_loss, loss_metrics = experiment.policy_loss(
-                    setup, old_log_prob[rows], log_prob, advantages[rows], mb_mask
-                )
-                optimizer.zero_grad(set_to_none=True)
-                pg_loss.backward()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP))
-                before = _checksum(model) if on_update is not None else 0.0
-                optimizer.step()
-                step += 1
-                diag = starvation_diagnostics(
-                    log_prob.detach(), log_prob.grad, old_log_prob[rows], advantages[rows], mb_mask
-                )
-                if on_update is not None:
-                    on_update(
-                        UpdateEvent(training_step, j, old_log_prob, rows, log_prob.detach(), before, _checksum(model))
-                    )
-                data = {
-                    "training/global_step": training_step,
-                    "mini/optimizer_step": step,
-                    "mini/minibatch": j,
-                    "mini/reuse": cfg.reuse,
-                    **step_metrics,
-                    "mini/score_minibatch": float(((reward[rows] + 1) / 2).mean()),
-                    "actor/pg_loss": float(pg_loss.detach()),
-                    "actor/lr": lr,
-                    "actor/grad_norm": grad_norm,
-                    **loss_metrics,
-                    **diag,
-                    **(replay.diagnostics() if replay is not None else {}),
-                    "timing_s/gen": t_gen,
-                    "timing_s/old_log_prob": t_old,
-                    "timing_s/update_actor": time.perf_counter() - t2,
-                    "mini/wall_time_s": time.perf_counter() - start,
-                }
-                record = {"step": step, "data": data}
-                log.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-                result.records.append(record)
-                if on_step is not None:
-                    on_step(step)
-    if replay is not None:
-        replay.remove()
+    try:
+        with open(log_path, "wb", buffering=0) as log:
+            for training_step in range(1, cfg.training_steps + 1):
+                batch = collect(state, training_step)
+                for j in range(cfg.reuse):
+                    data, shares = update(state, batch, j, on_update)
+                    data["mini/wall_time_s"] = time.perf_counter() - start
+                    record = {"step": state.step, "data": data}
+                    log.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+                    result.records.append(record)
+                    if j >= cfg.reuse // 2:
+                        result.stale_single_token_shares += shares
+                    if on_step is not None:
+                        on_step(state.step)
+    finally:
+        if state.replay is not None:
+            state.replay.remove()  # the caller's model is a copy, but hooks must not outlive a failed run either
     result.wall_s = time.perf_counter() - start
     return result

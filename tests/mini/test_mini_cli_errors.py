@@ -1,25 +1,30 @@
-"""Invalid options of ``respo-verl mini`` fail with a clear message and exit code 2 before any work starts."""
+"""Invalid options of ``respo-verl mini`` fail with one clear line and exit code 2 before any work starts."""
 
 from __future__ import annotations
 
 import pytest
 
+from respo_verl import algorithms
 from respo_verl.cli import main
 from respo_verl.mini import cli as mini_cli
-from respo_verl.verl.experiment import ALGORITHMS
+from respo_verl.mini import protocol
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--rollout-prompts", "12", "--reuse", "8"], "does not divide the rollout batch of 12 prompts"),
         (["--algos", "respo,ppo"], "unknown algorithm"),
-        (["--seeds", "0"], "--seeds must be >= 1"),
-        (["--reuse", "0"], "--reuse values must be >= 1"),
+        (["--seeds", "-1"], "must be >= 0"),
+        (["--reuse", "0"], "must be >= 1"),
+        (["--reuse", "8", "16"], "unrecognized arguments: 16"),
+        (["--reuse", "8,,16"], "comma-separated list of integers"),
         (["--reuse", "32", "--optimizer-steps", "48"], "multiple of every N"),
         (["--group-size", "1"], "--group-size must be >= 2"),
-        (["--lr", "0"], "--lr must be a positive number"),
+        (["--lr", "0"], "learning rates must be positive"),
+        (["--lr", "1e-4,abc"], "comma-separated learning rates"),
         (["--routing-replay"], "it needs --moe"),
+        (["--full", "--reuse", "8"], "--full runs the protocol's grid"),
+        (["--workers", "0"], "--workers must be >= 1"),
     ],
 )
 def test_bad_input_is_rejected_before_work(argv, message, tmp_path, capsys):
@@ -27,17 +32,60 @@ def test_bad_input_is_rejected_before_work(argv, message, tmp_path, capsys):
     assert main(["mini", *argv, "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 2
     err = capsys.readouterr().err
     assert message in err
+    assert "Traceback" not in err
     assert not out.exists() and not (tmp_path / "cache").exists(), "nothing may be written before the check"
 
 
-def test_malformed_option_is_a_usage_error(capsys):
-    assert main(["mini", "--reuse", "many"]) == 2
-    assert "invalid int value" in capsys.readouterr().err
+@pytest.mark.parametrize("where", ["file", "under_file", "unwritable"])
+def test_out_that_cannot_be_a_directory_is_one_line(where, tmp_path, capfd):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    out = {
+        "file": a_file,
+        "under_file": a_file / "sub" / "out",
+        # /proc refuses new directories even to root (for whom os.access says yes): the mkdir error path.
+        "unwritable": __import__("pathlib").Path("/proc/respo_verl_mini_test/out"),
+    }[where]
+    argv = ["mini", "--reuse", "2", "--optimizer-steps", "2", "--out", str(out), "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    captured = capfd.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("respo-verl mini: error: --out"), captured.err
+    assert not (tmp_path / "c").exists()
 
 
-def test_modes():
+def test_list_syntax_is_the_sweeps():
+    args = mini_cli.resolve(
+        mini_cli.build_parser().parse_args(["--reuse", "8,16", "--seeds", "0,1,2", "--lr", "3e-5,1e-4"])
+    )
+    assert (args.reuse, args.seeds, args.lr) == ([8, 16], [0, 1, 2], [3e-5, 1e-4])
+
+
+def test_modes_follow_the_protocol():
     quick = mini_cli.resolve(mini_cli.build_parser().parse_args([]))
-    assert (quick.algos, quick.reuse, quick.seeds) == (list(ALGORITHMS), [32], 1)
+    assert (quick.algos, quick.reuse, quick.seeds, quick.lr) == (list(algorithms.ALGORITHMS), [32], [0], [1e-4])
+    assert quick.minibatch_prompts >= 4 and quick.optimizer_steps == 1024
     full = mini_cli.resolve(mini_cli.build_parser().parse_args(["--full"]))
-    assert (full.reuse, full.seeds) == ([8, 16, 32], 3)
-    assert mini_cli.ALGORITHMS == ALGORITHMS
+    assert (full.reuse, full.seeds, full.lr) == ([8, 16, 32], [0, 1, 2, 3, 4, 5], [3e-5, 1e-4, 3e-4])
+    assert sorted({protocol.warm_seed(s) for s in full.seeds}) == [0, 1]
+
+
+def test_learning_rate_selection():
+    late = {
+        ("grpo", 1e-4): 0.30,
+        ("grpo", 3e-4): 0.20,
+        ("vespo", 1e-4): 0.25,
+        ("vespo", 3e-4): 0.40,
+        ("gspo", 1e-4): 0.30,
+        ("gspo", 3e-4): 0.30,
+        ("respo", 1e-4): 0.10,
+        ("respo", 3e-4): 0.90,
+    }
+    assert protocol.best_lr(late, "grpo") == 1e-4 and protocol.best_lr(late, "vespo") == 3e-4
+    assert protocol.best_lr(late, "gspo") == 1e-4  # a tie goes to the smaller rate
+    # Baselines: mean 0.2833 at 1e-4, 0.30 at 3e-4. ReSPO's scores must play no part.
+    assert protocol.common_lr(late) == 3e-4
+    assert protocol.common_lr({**late, ("respo", 1e-4): 10.0, ("respo", 3e-4): -10.0}) == 3e-4
+    assert protocol.common_lr({k: v for k, v in late.items() if k[0] != "vespo"}) == 1e-4
+    with pytest.raises(ValueError, match="baselines"):
+        protocol.common_lr({("respo", 1e-4): 0.5})

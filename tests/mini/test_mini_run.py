@@ -1,4 +1,4 @@
-"""``respo-verl mini``: the entry point, determinism, the reuse schedule, verl's losses and log format.
+"""``respo-verl mini``: the entry point, determinism, the reuse schedule, verl's losses and log format, the task.
 
 Everything runs a tiny budget (a warm start of a few steps, a handful of updates) so the module takes seconds.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from respo_verl.mini import model as model_lib
-from respo_verl.mini import task
+from respo_verl.mini import regime, task
 from respo_verl.mini.train import RunConfig, UpdateEvent, train
 from respo_verl.verl import experiment
 
@@ -45,24 +45,52 @@ def _same(a, b) -> bool:
     return True
 
 
-def test_smoke_through_console_entry_point(tmp_path, capsys):
+def test_smoke_through_console_entry_point(tmp_path, capfd):
     from respo_verl.cli import main
 
     out = tmp_path / "out"
     argv = ["mini", "--algos", "respo,grpo", "--reuse", "2", "--optimizer-steps", "4", "--minibatch-prompts", "1"]
     argv += ["--group-size", "4", "--warm-start-steps", "3", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
-    assert main([*argv, "--no-progress"]) == 0
-    printed = capsys.readouterr().out
+    assert main([*argv, "--workers", "1"]) == 0
+    captured = capfd.readouterr()
+    printed = captured.out
     assert str(out.resolve()) in printed
-    assert "| respo | 2 | 1 |" in printed and "| grpo | 2 | 1 |" in printed
-    assert (out / "scores.png").stat().st_size > 0
-    assert "late score" in (out / "results.md").read_text()
+    # The scores come from `respo-verl report` (late = last 128 updates), with the regime checks and the machine.
+    assert "| ReSPO |" in printed and "| GRPO |" in printed and "## Late training score" in printed
+    assert "Regime checks" in printed and "median single-token share of log W" in printed
+    assert "mini/grad_clipped" in printed
+    assert "torch " in printed and "thread(s) per run" in printed
+    # Nothing but the progress bars reaches stderr: no warnings breaking into them.
+    assert "Warning" not in captured.err, captured.err
+    assert "warm start 0" in captured.err, "the warm start shows its progress"
+    assert (out / "report" / "all" / "report.md").exists() and (out / "report" / "all" / "score_n2.png").exists()
+    assert "Regime checks" in (out / "results.md").read_text()
+    machine = orjson.loads((out / "machine.json").read_bytes())
+    assert machine["torch"] == torch.__version__ and machine["torch_threads"] == "1" and machine["cpu"]
+    from respo_verl.runs.manifest import read_manifest
+
+    records = read_manifest(out / "manifest.jsonl")
+    assert {r.versions["torch"] for r in records} == {torch.__version__}
     for algo in ("respo", "grpo"):
-        lines = (out / "respo_verl_mini" / f"{algo}_n2_seed0.jsonl").read_bytes().splitlines()
+        lines = (out / "respo_verl_mini" / f"{algo}_n2_lr1e-04_w0_seed0.jsonl").read_bytes().splitlines()
         assert len(lines) == 4  # one line per optimizer step
         steps = [orjson.loads(line)["step"] for line in lines]
         assert steps == [1, 2, 3, 4]
     assert list((tmp_path / "cache").glob("*.pt")), "the warm-started base model is cached"
+
+
+def test_two_workers_give_the_numbers_of_one(tmp_path):
+    from respo_verl.cli import main
+
+    argv = ["mini", "--algos", "respo,vespo", "--reuse", "2", "--optimizer-steps", "2", "--minibatch-prompts", "1"]
+    argv += ["--group-size", "4", "--warm-start-steps", "3", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    assert main([*argv, "--workers", "1", "--out", str(tmp_path / "one")]) == 0
+    assert main([*argv, "--workers", "2", "--out", str(tmp_path / "two")]) == 0
+    for algo in ("respo", "vespo"):
+        name = f"respo_verl_mini/{algo}_n2_lr1e-04_w0_seed0.jsonl"
+        one = _without_timing([orjson.loads(x) for x in (tmp_path / "one" / name).read_bytes().splitlines()])
+        two = _without_timing([orjson.loads(x) for x in (tmp_path / "two" / name).read_bytes().splitlines()])
+        assert all(x["step"] == y["step"] and _same(x["data"], y["data"]) for x, y in zip(one, two))
 
 
 def test_same_seed_same_numbers_other_seed_differs(base_model, tmp_path):
@@ -205,22 +233,85 @@ def test_advantages_are_verls_grpo():
         assert torch.equal(got, expected)
 
 
-def test_verifier():
+def test_verifier_and_answer_lengths():
     gen = torch.Generator().manual_seed(0)
-    digits = [3, 9, 4]
-    think = task.thinking_answer(digits, gen)
-    direct_right = [task.ANS, task.num(16), task.EOS]
-    direct_wrong = [task.ANS, task.num(15), task.EOS]
-    no_eos = think[:-1]
-    rows = [think, direct_right, direct_wrong, no_eos, [task.EOS]]
+    digits = [3, 4, 0, 2, 1, 4, 4, 2]
+    worked = task.worked_answer(digits, gen)
+    assert len(worked) == task.WORKED_LEN == 84
+    direct_right = [task.ANS, task.num(20), task.EOS]
+    premature_wrong = task.premature_answer(digits, 3, gen)
+    premature_wrong[-2] = task.num(19)
+    no_eos = worked[:-1]
+    rows = [worked, direct_right, premature_wrong, no_eos, [task.EOS]]
     response = torch.full((len(rows), task.MAX_RESPONSE_LEN), task.PAD)
     for i, row in enumerate(rows):
         response[i, : len(row)] = torch.tensor(row)
     response[3, len(no_eos) :] = task.THINK  # keeps talking until the budget ends: truncated
-    reward = task.verify(response, torch.full((len(rows),), 16))
+    reward = task.verify(response, torch.full((len(rows),), 20))
     assert reward.tolist() == [1.0, 1.0, -1.0, -1.0, -1.0]
-    assert task.response_lengths(response).tolist() == [len(think), 3, 3, task.MAX_RESPONSE_LEN, 1]
-    assert task.detokenize(direct_right) == "# 16 <eos>"
+    assert task.response_lengths(response).tolist() == [84, 3, 1 + 3 * task.STEP_LEN + 3, task.MAX_RESPONSE_LEN, 1]
+    assert task.completed_steps(response).tolist()[:3] == [task.N_DIGITS, 0, 3]
+    assert task.detokenize(direct_right) == "# 20 <eos>"
+    # Every step writes the digit it adds and the running sum.
+    sums = [worked[1 + i * task.STEP_LEN + task.FILLERS_PER_STEP + 1] - task.NUM_BASE for i in range(8)]
+    assert sums == [3, 7, 7, 9, 10, 14, 18, 20]
+
+
+def test_regime_counts_by_hand():
+    """Two positives and a negative; the first positive drifts over many tokens, the second through one token."""
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[2, 5:] = False
+    old = torch.zeros(3, 10)
+    new = torch.zeros(3, 10)
+    new[0] = -0.15  # log W = −1.5, ratios 0.86 (inside the band), most negative token 10 % of log W
+    new[1, 0] = -1.2  # log W = −1.2, one token outside the band carrying all of it
+    new[2] = -0.5  # a negative: never counted
+    adv = torch.tensor([[1.0], [0.5], [-1.0]]).expand(3, 10)
+    counts, shares = regime.update_counts(new, old, adv, mask)
+    assert counts == {
+        "mini/regime/positives": 2.0,
+        "mini/regime/starved": 2.0,
+        "mini/regime/starved_tokens": 20.0,
+        "mini/regime/starved_tokens_outside_band": 1.0,
+    }
+    assert shares == pytest.approx([0.1, 1.0])
+    records = [{"data": {"mini/minibatch": j, **counts}} for j in range(4)]
+    check = regime.summarise(4, records, shares * 2)
+    assert check.positives == 4 and check.starved_share == 1.0 and check.tokens_outside_band == 0.05
+    assert check.median_single_token_share == pytest.approx(0.55)
+    assert not check.holds and "NOT in the regime" in check.line()
+
+
+def test_warm_start_reports_progress(tmp_path):
+    seen = []
+    model_lib.warm_start(model_lib.ModelSpec(), TINY_WARM, cache_dir=tmp_path, on_step=seen.append)
+    assert seen == [1, 2, 3]
+    model_lib.warm_start(model_lib.ModelSpec(), TINY_WARM, cache_dir=tmp_path, on_step=seen.append)
+    assert seen == [1, 2, 3], "a cache hit trains nothing"
+
+
+def test_replay_hooks_are_removed_when_a_run_fails(tmp_path):
+    model, _ = model_lib.warm_start(model_lib.ModelSpec(moe=True), TINY_WARM, cache_dir=None)
+    cfg = RunConfig("respo", reuse=2, seed=0, optimizer_steps=2, rollout_prompts=2, group_size=4, routing_replay=True)
+    seen = []
+
+    def fail(event: UpdateEvent) -> None:
+        seen.append(event)
+        raise RuntimeError("stop")
+
+    real_init = __import__("respo_verl.routing.hf", fromlist=["RoutingReplay"]).RoutingReplay.__init__
+    replays = []
+
+    def spy_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        replays.append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("respo_verl.routing.hf.RoutingReplay.__init__", spy_init)
+        with pytest.raises(RuntimeError, match="stop"):
+            train(cfg, model, tmp_path, on_update=fail)
+    assert len(seen) == 1 and len(replays) == 1
+    assert not replays[0].installed, "the replay hooks must not outlive a failed run"
 
 
 def test_moe_variant_runs(tmp_path):
@@ -240,7 +331,7 @@ def test_r2_routing_replay_on_the_moe_variant(tmp_path):
     model, _ = model_lib.warm_start(model_lib.ModelSpec(moe=True), TINY_WARM, cache_dir=None)
     cfg = RunConfig("respo", reuse=4, seed=0, optimizer_steps=8, rollout_prompts=4, group_size=4, routing_replay=True)
     records = train(cfg, model, tmp_path).records
-    assert cfg.name == "respo_n4_seed0_r2" and len(records) == 8
+    assert cfg.name == "respo_n4_lr1e-04_w0_seed0_r2" and len(records) == 8
     layers = model.config.num_hidden_layers
     for record in records:
         data = record["data"]
@@ -258,6 +349,6 @@ def test_routing_replay_through_the_console_entry_point(tmp_path, capsys):
     argv = ["mini", "--moe", "--routing-replay", "--algos", "vespo", "--reuse", "2", "--optimizer-steps", "2"]
     argv += ["--minibatch-prompts", "1", "--group-size", "4", "--warm-start-steps", "2", "--no-progress"]
     assert main([*argv, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")]) == 0
-    assert "R2 routing replay" in (tmp_path / "out" / "results.md").read_text()
-    lines = (tmp_path / "out" / "respo_verl_mini" / "vespo_n2_seed0_r2.jsonl").read_bytes().splitlines()
+    assert "vespo_n2_lr1e-04_w0_seed0_r2" in (tmp_path / "out" / "results.md").read_text()
+    lines = (tmp_path / "out" / "respo_verl_mini" / "vespo_n2_lr1e-04_w0_seed0_r2.jsonl").read_bytes().splitlines()
     assert "actor/routing/flip_frac" in orjson.loads(lines[0])["data"]

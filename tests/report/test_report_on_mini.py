@@ -1,4 +1,5 @@
-"""`respo-verl report` reads a real `respo-verl mini` run (its logs and manifest) as it reads a sweep."""
+"""`respo-verl report` reads a real `respo-verl mini` run (its logs and manifest) as it reads a sweep, and the
+miniature's own table is that report: one definition of the scores (late = last 128 optimizer updates)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from respo_verl.runs.manifest import read_manifest
 
 def test_report_of_a_mini_smoke_run(tmp_path, capsys):
     out = tmp_path / "mini"
-    argv = ["mini", "--algos", "vespo,respo", "--reuse", "2", "--seeds", "2", "--optimizer-steps", "6"]
+    argv = ["mini", "--algos", "vespo,respo", "--reuse", "2", "--seeds", "0,1", "--optimizer-steps", "6"]
     argv += ["--minibatch-prompts", "1", "--group-size", "4", "--warm-start-steps", "3", "--no-progress"]
+    argv += ["--workers", "1"]
     assert main([*argv, "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
     records = read_manifest(out / "manifest.jsonl")
     assert sorted((r.algorithm, r.seed) for r in records) == [("respo", 0), ("respo", 1), ("vespo", 0), ("vespo", 1)]
@@ -37,4 +39,8 @@ def test_report_of_a_mini_smoke_run(tmp_path, capsys):
         assert f"| {display} | {100 * mean:.2f} ± {100 * std:.2f} (n=2)" in text
     assert "only 6 optimizer steps" in text
     assert "incomplete" not in text
+    # The miniature printed and saved the same late-score table `respo-verl report` writes.
+    table = text[text.index("## Late training score") : text.index("## Details")]
+    assert table in (out / "results.md").read_text()
+    assert table in (out / "report" / "all" / "report.md").read_text()
     assert (report_dir / "score_n2.png").exists() and (report_dir / "starved_mass_share.png").exists()

@@ -1,0 +1,134 @@
+"""Is a run in the paper's regime? Small per-token drift, compounded over long correct responses, starving them.
+
+ReSPO (arXiv 2609.35433, §1) is about positive responses whose sequence weight W = π_θ/μ has drifted to log W ≪ 0
+because many tokens each moved a little. A miniature in which W collapses because one or two tokens moved far
+tests something else. Three checks, on the stale half of every rollout batch (mini-batches j ≥ N/2, where reuse
+has moved the policy), for the positive responses (A > 0) with log W < −1 ("starved positives"):
+
+1. they are at least :data:`MIN_STARVED_SHARE` of the positive responses;
+2. fewer than :data:`MAX_TOKENS_OUTSIDE_BAND` of their tokens have a ratio π_θ/μ outside :data:`RATIO_BAND`;
+3. the median share of log W carried by their most negative token, (−min_t δ_t)/(−log W), is at most
+   :data:`MAX_SINGLE_TOKEN_SHARE`.
+
+The checks are defined at N = 32 (the paper's largest reuse); they are computed and printed for every run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+# log W below which a positive response counts as starved (the starvation diagnostic's threshold).
+STARVED_LOG_W = -1.0
+RATIO_BAND = (0.8, 1.25)
+MIN_STARVED_SHARE = 0.15
+MAX_TOKENS_OUTSIDE_BAND = 0.02
+MAX_SINGLE_TOKEN_SHARE = 0.25
+REGIME_REUSE = 32
+PREFIX = "mini/regime/"
+COUNT_KEYS = ("positives", "starved", "starved_tokens", "starved_tokens_outside_band")
+
+
+def update_counts(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[dict[str, float], list[float]]:
+    """Regime counts of one mini-batch and the single-token shares of its starved positives.
+
+    Args:
+        log_prob, old_log_prob, advantages: (B, T).
+        response_mask: (B, T) bool.
+
+    Returns:
+        ``(counts, shares)``: counts under :data:`PREFIX` (:data:`COUNT_KEYS`), and per starved positive the share
+        of its log W carried by its most negative token.
+    """
+    with torch.no_grad():
+        delta_tok = torch.where(response_mask, log_prob - old_log_prob, 0.0)  # (B, T)
+        log_w_seq = delta_tok.sum(dim=1)  # (B,)
+        n_tok_seq = response_mask.sum(dim=1)  # (B,)
+        adv_seq = torch.where(response_mask, advantages, 0.0).sum(dim=1) / n_tok_seq.clamp(min=1)  # (B,)
+        positive = adv_seq > 0  # (B,)
+        starved = positive & (log_w_seq < STARVED_LOG_W)  # (B,)
+        lo, hi = math.log(RATIO_BAND[0]), math.log(RATIO_BAND[1])
+        outside_tok = response_mask & ((delta_tok < lo) | (delta_tok > hi))  # (B, T)
+        most_negative = (-delta_tok).max(dim=1).values  # (B,)
+        share_seq = most_negative / (-log_w_seq).clamp(min=1e-12)  # (B,)
+        counts = {
+            "positives": float(positive.sum()),
+            "starved": float(starved.sum()),
+            "starved_tokens": float(n_tok_seq[starved].sum()),
+            "starved_tokens_outside_band": float(outside_tok[starved].sum()),
+        }
+    return {PREFIX + k: v for k, v in counts.items()}, share_seq[starved].tolist()
+
+
+@dataclass
+class RegimeCheck:
+    """The three regime statistics of one run (or of several pooled) and whether they hold.
+
+    Attributes:
+        reuse: N of the run(s).
+        positives: positive responses in the stale half of the rollout batches.
+        starved_share: starved positives / positives.
+        tokens_outside_band: share of the starved positives' tokens with a ratio outside :data:`RATIO_BAND`.
+        median_single_token_share: median over starved positives of their most negative token's share of log W.
+    """
+
+    reuse: int
+    positives: int
+    starved_share: float
+    tokens_outside_band: float
+    median_single_token_share: float
+
+    @property
+    def checks(self) -> dict[str, bool]:
+        return {
+            f"starved positives >= {MIN_STARVED_SHARE:.0%}": self.starved_share >= MIN_STARVED_SHARE,
+            f"their tokens outside [{RATIO_BAND[0]}, {RATIO_BAND[1]}] < {MAX_TOKENS_OUTSIDE_BAND:.0%}": (
+                self.tokens_outside_band < MAX_TOKENS_OUTSIDE_BAND
+            ),
+            f"median single-token share of log W <= {MAX_SINGLE_TOKEN_SHARE:.0%}": (
+                self.median_single_token_share <= MAX_SINGLE_TOKEN_SHARE
+            ),
+        }
+
+    @property
+    def holds(self) -> bool:
+        return all(self.checks.values())
+
+    def line(self) -> str:
+        """One line for the console and the docs."""
+        verdict = (
+            "in the regime"
+            if self.holds
+            else "NOT in the regime: " + "; ".join(k for k, ok in self.checks.items() if not ok)
+        )
+        return (
+            f"N = {self.reuse}: starved positives {self.starved_share:.1%} of {self.positives} positives, "
+            f"their tokens outside [{RATIO_BAND[0]}, {RATIO_BAND[1]}] {self.tokens_outside_band:.2%}, median "
+            f"single-token share of log W {self.median_single_token_share:.1%} -> {verdict}"
+        )
+
+
+def summarise(reuse: int, records: list[dict], shares: list[float]) -> RegimeCheck:
+    """The regime statistics of logged updates (file-logger records) and the shares the run collected.
+
+    Args:
+        reuse: N.
+        records: ``{"step", "data"}`` records with :data:`COUNT_KEYS` and ``mini/minibatch``.
+        shares: single-token shares of the starved positives of the stale half (from :func:`update_counts`).
+    """
+    stale = [r["data"] for r in records if r["data"]["mini/minibatch"] >= reuse // 2]
+    total = {k: sum(d[PREFIX + k] for d in stale) for k in COUNT_KEYS}
+    return RegimeCheck(
+        reuse=reuse,
+        positives=int(total["positives"]),
+        starved_share=total["starved"] / total["positives"] if total["positives"] else math.nan,
+        tokens_outside_band=(
+            total["starved_tokens_outside_band"] / total["starved_tokens"] if total["starved_tokens"] else math.nan
+        ),
+        median_single_token_share=statistics.median(shares) if shares else math.nan,
+    )
