@@ -11,10 +11,13 @@ Loaded three ways, so that every process of a run has the registrations:
 verl swallows entry-point failures at DEBUG level; :func:`require_policy_loss` is the loud check.
 
 With ``RESPO_VERL_ROUTING_DIAGNOSTICS=1`` in the environment (the ``routing=r2``/``r3`` presets put it into Ray's
-runtime env) it also applies :mod:`respo_verl.verl.patches.verl_0_9_1_megatron_routing_metrics`; otherwise nothing.
+runtime env) it also applies :mod:`respo_verl.verl.patches.verl_0_9_1_megatron_routing_metrics`, and with
+``VERL_PLATFORM=cpu`` (the ``device=cpu`` preset) it imports :mod:`respo_verl.verl.cpu`; otherwise nothing.
 """
 
 from __future__ import annotations
+
+import os
 
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 
@@ -30,6 +33,11 @@ INSTALL_HINT = (
 )
 # Route-drift metrics from verl's Megatron engine: patched only when the environment switches them on.
 ROUTING_METRICS_PATCHED = _routing_metrics.maybe_apply()
+# verl on CPU, switched on by the environment like the routing metrics: the device=cpu preset sets VERL_PLATFORM=cpu in
+# Ray's runtime env, and a user of verl's own entry point sets it in the shell for the driver.
+CPU_ENABLED = os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu"
+if CPU_ENABLED:
+    from respo_verl.verl import cpu as _cpu  # noqa: F401  (applies the CPU platform, gloo default, hf_cpu rollout)
 
 
 def require_policy_loss(loss_mode: str) -> None:
