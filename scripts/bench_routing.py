@@ -1,4 +1,4 @@
-"""Forward+backward cost of MoE routing replay, with and without route-drift diagnostics (issue 3, item 6).
+"""Forward+backward cost of MoE routing replay, with and without route-drift diagnostics.
 
 Two tiny MoE models whose routing mirrors Qwen3-30B-A3B (softmax router, top-k with renormalised probabilities,
 every layer MoE), each timed under three conditions:
@@ -22,9 +22,10 @@ replay state happen outside it. Timing is interleaved in one process: every repe
 order rotated per repeat, so slow phases of a shared machine hit all conditions alike; the per-repeat (paired)
 ratios ``replay_diag / replay`` (target ≤ 1.05) and ``replay / no_replay`` are the robust numbers.
 
-Megatron runs on CPU through the TEST-ONLY shim ``tests/routing/megatron_cpu_shim.py`` (imported from there; it is
-not part of the package): it neutralises megatron-core's hard-coded CUDA calls (current device, streams, events, the
-CUDA RNG tracker) and starts a gloo world of size 1 with TP = PP = 1; every megatron code path runs as written.
+Megatron runs on CPU through :func:`respo_verl.megatron.cpu.megatron_cpu`: the version-keyed patch
+``respo_verl/megatron/patches/megatron_core_0_16_1_cpu.py`` neutralises megatron-core's hard-coded CUDA calls (current
+device, streams, events, the CUDA RNG tracker), and a gloo world of size 1 runs with TP = PP = 1; every megatron
+code path runs as written.
 
 Usage (quick check, then the default sizes)::
 
@@ -45,7 +46,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +57,6 @@ MODELS = ("hf", "megatron")
 MODEL_TITLES = {"hf": "HF transformers Qwen3-MoE", "megatron": "megatron-core GPTModel MoE"}
 # Acceptance target: diagnostics may cost at most 5 % over replay alone (median of paired ratios).
 TARGET_RATIO = 1.05
-SHIM_DIR = Path(__file__).resolve().parents[1] / "tests" / "routing"
 
 
 def flip_routes(topk_idx: torch.Tensor, fraction: float, num_experts: int, generator: torch.Generator) -> torch.Tensor:
@@ -166,7 +165,7 @@ class HFBench:
 class MegatronBench:
     """A tiny megatron-core ``GPTModel`` MoE (local layer spec, alltoall dispatcher) under the three conditions.
 
-    Must be built and run inside :meth:`session` (the test-only CPU shim and a gloo world of size 1).
+    Must be built and run inside :meth:`session` (megatron-core's CPU patch and a gloo world of size 1).
 
     Args:
         args: parsed command line (sizes, seed, perturbation).
@@ -184,13 +183,11 @@ class MegatronBench:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[MegatronBench]:
-        """Enter the CPU shim, build both models, record the routes; restore everything on exit."""
-        if str(SHIM_DIR) not in sys.path:
-            sys.path.insert(0, str(SHIM_DIR))
-        import megatron_cpu_shim as shim
+        """Apply megatron-core's CPU patch, build both models, record the routes; restore everything on exit."""
+        from respo_verl.megatron import cpu
 
-        with shim.megatron_cpu():
-            self._build(shim)
+        with cpu.megatron_cpu():
+            self._build(cpu)
             try:
                 yield self
             finally:
@@ -199,7 +196,7 @@ class MegatronBench:
                     router.router_replay.router_replay_action = None
                 del self.model_on, self.model_off, self.routers
 
-    def _build(self, shim: Any) -> None:
+    def _build(self, cpu: Any) -> None:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -211,7 +208,7 @@ class MegatronBench:
         spec = get_gpt_layer_local_spec(num_experts=args.experts, qk_layernorm=True, normalization="RMSNorm")
         models = []
         for replay_on in (True, False):
-            config = shim.tiny_config(
+            config = cpu.tiny_config(
                 num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden,
                 num_attention_heads=args.heads, num_query_groups=max(args.heads // 2, 1),
                 kv_channels=args.hidden // args.heads, num_moe_experts=args.experts, moe_router_topk=args.top_k,

@@ -20,10 +20,10 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu_shim import BATCH, NUM_EXPERTS, NUM_LAYERS, SEQ, VOCAB, forward, megatron_cpu, tiny_gpt_moe
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
+from respo_verl.megatron.cpu import BATCH, NUM_EXPERTS, NUM_LAYERS, SEQ, VOCAB, forward, megatron_cpu, tiny_gpt_moe
 from respo_verl.megatron.routing import find_replay_routers
 from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as patch
 

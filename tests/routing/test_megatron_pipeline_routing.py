@@ -1,13 +1,14 @@
 """Pipeline-parallel layer bookkeeping of the route-drift diagnostics: two gloo ranks, PP = 2, TP = 1, on CPU.
 
 Two processes (``torch.multiprocessing`` spawn, ``env://`` rendezvous on 127.0.0.1 and a free port) form a gloo world
-of size 2; each runs megatron-core 0.16.1's ``initialize_model_parallel(1, 2)`` under the test-only CUDA shim
-(:mod:`megatron_cpu_shim`) and builds its pipeline stage of the tiny GPTModel MoE of ``test_megatron_routing.py``,
-with 4 layers: stage 0 holds global layers 0-1 (embedding), stage 1 layers 2-3 (output layer). Every forward goes
-through megatron's real pipeline schedule (``get_forward_backward_func()``, 1F1B without interleaving): activations
-and gradients travel between the ranks by ``torch.distributed`` isend/irecv over gloo. Two shim additions, local to
-this file: the schedule allocates a token counter with ``device="cuda"`` (redirected to the CPU, in megatron's
-``schedules`` module only), and ``batch_p2p_comm=False`` (its batched path calls ``torch.cuda.synchronize``).
+of size 2; each runs megatron-core 0.16.1's ``initialize_model_parallel(1, 2)`` under the CPU patch of
+megatron-core (:func:`respo_verl.megatron.cpu.megatron_cpu`) and builds its pipeline stage of the tiny GPTModel MoE
+of ``test_megatron_routing.py``, with 4 layers: stage 0 holds global layers 0-1 (embedding), stage 1 layers 2-3
+(output layer). Every forward goes through megatron's real pipeline schedule (``get_forward_backward_func()``, 1F1B
+without interleaving): activations and gradients travel between the ranks by ``torch.distributed`` isend/irecv over
+gloo. Two additions to the CPU patch, local to this file: the schedule allocates a token counter with
+``device="cuda"`` (redirected to the CPU, in megatron's ``schedules`` module only), and ``batch_p2p_comm=False`` (its
+batched path calls ``torch.cuda.synchronize``).
 
 Each rank checks:
 
@@ -40,7 +41,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu_shim import BATCH, NUM_EXPERTS, SEQ, TOP_K, VOCAB, forward, megatron_cpu, tiny_gpt_moe
+from respo_verl.megatron.cpu import BATCH, NUM_EXPERTS, SEQ, TOP_K, VOCAB, forward, megatron_cpu, tiny_gpt_moe
 
 PP = 2
 LAYERS = 4  # PP stages of LAYERS // PP layers each

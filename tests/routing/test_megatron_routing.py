@@ -1,5 +1,6 @@
-"""Route-drift diagnostics on a tiny megatron-core 0.16.1 GPTModel on CPU (gloo world of size 1, test-only CUDA
-shim), through megatron-core's native replay seam and through verl 0.9.1's ``apply_router_replay_patch()``."""
+"""Route-drift diagnostics on a tiny megatron-core 0.16.1 GPTModel on CPU (gloo world of size 1, the package's CPU
+patch of megatron-core), through megatron-core's native replay seam and through verl 0.9.1's
+``apply_router_replay_patch()``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,17 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu_shim import BATCH, NUM_EXPERTS, NUM_LAYERS, SEQ, TOP_K, VOCAB, forward, megatron_cpu, tiny_gpt_moe
-
+from respo_verl.megatron.cpu import (
+    BATCH,
+    NUM_EXPERTS,
+    NUM_LAYERS,
+    SEQ,
+    TOP_K,
+    VOCAB,
+    forward,
+    megatron_cpu,
+    tiny_gpt_moe,
+)
 from respo_verl.megatron.routing import RouteDriftMonitor, find_replay_routers
 
 TOKENS = BATCH * SEQ

@@ -1,0 +1,106 @@
+"""Run megatron-core 0.16.1 models on CPU: neutralise the CUDA-only calls a CPU forward/backward reaches.
+
+Written against: megatron-core 0.16.1 (torch 2.13 CPU build, Transformer Engine absent).
+
+Why: megatron-core hard-codes CUDA in a few places that a CPU forward and backward of a GPTModel with MoE reach,
+although the computation itself runs on any device. :func:`apply` replaces exactly those, and :func:`remove` puts
+the originals back:
+
+- ``torch.cuda.current_device`` → ``"cpu"`` (buffers are allocated on it; the router's ``gating()`` moves its
+  weight there);
+- ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``stream`` → objects whose methods do nothing (the MoE
+  token dispatchers record and wait on them);
+- the model-parallel CUDA RNG tracker's ``fork`` → a null context, its ``get_states`` / ``set_states`` → empty; CUDA
+  RNG state get/set (activation recompute) → the CPU generator's state, so a recompute replays the same stream;
+- ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` → ``None`` when Transformer Engine is absent (0.16.1
+  reads the name without a guard).
+
+It is a stand-in for the device, not for megatron: every megatron code path runs as written. It is process-global
+(it patches ``torch.cuda``), so apply it only in a process that never uses a GPU. :func:`apply` is idempotent;
+nothing happens on import. Starting a process group and megatron's model-parallel state stays with the caller
+(:func:`respo_verl.megatron.cpu.megatron_cpu` does both with this patch).
+
+Delete when: megatron-core runs on CPU without it (device-agnostic current device, streams and RNG tracker), or
+when no CPU test or benchmark drives megatron-core any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+MEGATRON_CORE_VERSION = "0.16.1"
+_MISSING = object()
+# (owner object, attribute name, original value or _MISSING) of every attribute replaced by apply().
+_saved: list[tuple[Any, str, Any]] = []
+
+
+class _NoOpEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NoOpStream(_NoOpEvent):
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpEvent()
+
+
+def is_applied() -> bool:
+    return bool(_saved)
+
+
+def _replace(owner: Any, name: str, value: Any) -> None:
+    _saved.append((owner, name, owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING))
+    setattr(owner, name, value)
+
+
+def apply() -> None:
+    """Patch the CUDA-only calls listed in the module docstring; a second call does nothing."""
+    if _saved:
+        return
+    import torch
+    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = megatron_random.get_cuda_rng_tracker()
+    _replace(torch.cuda, "current_device", lambda: "cpu")
+    _replace(torch.cuda, "Stream", _NoOpStream)
+    _replace(torch.cuda, "Event", _NoOpEvent)
+    _replace(torch.cuda, "current_stream", lambda *a, **k: _NoOpStream())
+    _replace(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _replace(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    _replace(megatron_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _replace(megatron_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    _replace(tracker, "fork", lambda *a, **k: contextlib.nullcontext())
+    _replace(tracker, "get_states", lambda: {})
+    _replace(tracker, "set_states", lambda states: None)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _replace(moe_utils, "te_general_gemm", None)
+
+
+def remove() -> None:
+    """Undo :func:`apply` (in reverse order); without a prior apply it does nothing."""
+    while _saved:
+        owner, name, original = _saved.pop()
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
