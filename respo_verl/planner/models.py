@@ -115,7 +115,7 @@ class ModelShape:
         return self.total_params - self.total_expert_params + self.num_moe_layers * self.moe_topk * self.expert_params
 
 
-# Published architecture of Qwen3-30B-A3B (SPEC §6): 48 MoE layers, 128 experts top-8, untied embeddings.
+# Published architecture of Qwen3-30B-A3B (its config.json): 48 MoE layers, 128 experts top-8, untied embeddings.
 QWEN3_30B_A3B = ModelShape(
     name="Qwen3-30B-A3B",
     num_layers=48,
