@@ -117,7 +117,7 @@ def _sequence_advantage(advantages: torch.Tensor, mask: torch.Tensor) -> tuple[t
 
 
 def _kernel_terms(
-    which: str,
+    config_class: type,
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
@@ -125,6 +125,10 @@ def _kernel_terms(
     config: ReSPOConfig | VESPOConfig,
     rollout_is_weights: torch.Tensor | None,
 ) -> KernelTerms:
+    # The kernel follows the config's class; any other object is refused, never read as one of the two.
+    if not isinstance(config, config_class):
+        raise TypeError(f"expected a {config_class.__name__}, got {type(config).__name__}")
+    is_vespo = config_class is VESPOConfig
     check_shapes(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights)
     mask = response_mask.to(torch.bool)
     counts = nonfinite_counts(mask, log_prob, old_log_prob, advantages)  # (3,)
@@ -134,7 +138,6 @@ def _kernel_terms(
     advantages = advantages.to(dtype)
     if rollout_is_weights is not None:
         rollout_is_weights = rollout_is_weights.to(dtype)
-    is_vespo = which == "vespo"
     log_w_seq, clamped_seq = sequence_log_weight(
         log_prob,
         old_log_prob,
@@ -165,7 +168,7 @@ def respo_terms(
     The computation runs in fp32 (fp64 if any input is fp64). Non-finite inputs are counted, not raised here, so
     that a caller can fold the check into its single host synchronisation; :func:`raise_on_nonfinite` raises.
     """
-    return _kernel_terms("respo", log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights)
+    return _kernel_terms(ReSPOConfig, log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights)
 
 
 def vespo_terms(
@@ -177,4 +180,4 @@ def vespo_terms(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> KernelTerms:
     """VESPO counterpart of :func:`respo_terms` (token log-ratios clamped before summing, as VESPO does)."""
-    return _kernel_terms("vespo", log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights)
+    return _kernel_terms(VESPOConfig, log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights)

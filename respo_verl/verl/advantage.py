@@ -9,6 +9,7 @@ import torch
 from verl.trainer.ppo.core_algos import register_adv_est
 
 from respo_verl.core import group_relative_advantage
+from respo_verl.core.advantages import GRPO_EPSILON
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ def compute_respo_outcome_advantage(
     response_mask: torch.Tensor,
     index: Any = None,
     config: Any = None,
-    epsilon: float = 1e-6,
+    epsilon: float = GRPO_EPSILON,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO advantages (SPEC §3), equal bit for bit to verl's ``grpo`` under the same settings.

@@ -238,3 +238,32 @@ def test_core_imports_without_any_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(("terms_fn", "config_class"), [(respo_terms, ReSPOConfig), (vespo_terms, VESPOConfig)])
+def test_rollout_is_weights_fold_into_log_w_of_the_loss(terms_fn, config_class):
+    """Token level adds Σ_t log w_t over valid tokens; sequence level adds log w once; masked weights are ignored."""
+    log_prob = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -0.7, 0.0, 0.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-0.1, -0.9, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    advantages = torch.tensor([[1.0] * 4, [-1.0] * 4], dtype=torch.float64)
+    delta = [0.5 - 1.0 + 0.0, -0.2 + 0.2]  # Σ_t (log π − log μ) over valid tokens, by hand
+    # Padding holds weights that would change the sum if they were read (nan, inf, 0).
+    token_w = torch.tensor([[2.0, 0.5, 3.0, math.nan], [0.25, 5.0, math.inf, 0.0]], dtype=torch.float64)
+    terms = terms_fn(log_prob, old, advantages, mask, config_class(rollout_is_level="token"), token_w)
+    expected = [delta[0] + math.log(2.0 * 0.5 * 3.0), delta[1] + math.log(0.25 * 5.0)]
+    torch.testing.assert_close(terms.log_w_seq, torch.tensor(expected, dtype=torch.float64))
+    # verl broadcasts one sequence-level weight over the valid tokens: it enters once, not once per token.
+    seq_w = torch.tensor([[4.0, 4.0, 4.0, math.nan], [0.5, 0.5, 0.0, math.inf]], dtype=torch.float64)
+    terms = terms_fn(log_prob, old, advantages, mask, config_class(rollout_is_level="sequence"), seq_w)
+    expected = [delta[0] + math.log(4.0), delta[1] + math.log(0.5)]
+    torch.testing.assert_close(terms.log_w_seq, torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(terms.phi_seq.isfinite(), torch.tensor([True, True]))
+
+
+@pytest.mark.parametrize(("terms_fn", "wrong"), [(respo_terms, VESPOConfig()), (vespo_terms, ReSPOConfig()),
+                                                 (respo_terms, {"alpha_pos": 2.0})])  # fmt: skip
+def test_a_config_of_another_kernel_is_refused(terms_fn, wrong):
+    log_prob, old, advantages, mask = make_batch()
+    with pytest.raises(TypeError, match=r"expected a (ReSPO|VESPO)Config, got"):
+        terms_fn(log_prob, old, advantages, mask, wrong)

@@ -59,3 +59,12 @@ def test_respo_estimator_rejects_non_finite_rewards():
     fn = get_adv_estimator_fn("respo")
     with pytest.raises(ValueError, match="non-finite values in 1 of 48 responses"):
         fn(token_level_rewards=rewards, response_mask=data.batch["response_mask"], index=data.non_tensor_batch["uid"])
+
+
+def test_the_epsilon_default_is_the_core_constant():
+    import inspect
+
+    from respo_verl.core.advantages import GRPO_EPSILON
+    from respo_verl.verl.advantage import compute_respo_outcome_advantage
+
+    assert inspect.signature(compute_respo_outcome_advantage).parameters["epsilon"].default is GRPO_EPSILON
