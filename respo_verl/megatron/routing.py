@@ -27,13 +27,13 @@ layers they hold under their global indices; ``any_layer_flip_frac`` covers the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import nn
 
-from respo_verl.routing.diagnostics import RouteDriftStats
+from respo_verl.routing.diagnostics import RouteDriftStats, drift_metrics
 
 _WRAPPED_ATTR = "_respo_route_drift_monitor"
 _REPLAY_FORWARD, _REPLAY_BACKWARD = "REPLAY_FORWARD", "REPLAY_BACKWARD"
@@ -211,3 +211,85 @@ class RouteDriftMonitor:
             f"routing replay: layer {layer}: replay data of shape {tuple(target.shape)} holds an expert index "
             f"outside [0, {num_experts})",
         )
+
+
+def reduce_route_drift(
+    local_layers: Sequence[int],
+    sums_by_prefix: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | None]],
+    device: torch.device,
+    sequence_parallel: bool,
+    optional_prefixes: Collection[str] = (),
+) -> dict[str, float]:
+    """Route-drift metrics of the whole model: per-layer and per-stage sums added over every rank of the world.
+
+    Every rank of the (gloo or NCCL) world must call it with the same prefixes. Per-layer sums are added over ranks
+    before the ratios are formed, so per-layer and overall ratios are exact token averages over DP, CP, TP and
+    pipeline stages. ``replayed_tokens`` is de-duplicated over TP ranks when sequence parallelism is off (every TP
+    rank then routes the same tokens). ``any_layer_flip_frac`` needs a per-token OR over all layers; pipeline stages
+    never see each other's tokens, so with PP > 1 it is reported per stage as ``any_layer_flip_frac/pp_stage_{s}``.
+
+    Args:
+        local_layers: global indices of this rank's MoE layers (rows of its per-layer sums), empty for none.
+        sums_by_prefix: metric prefix -> ``(per_layer, any_layer)`` sums of
+            :meth:`RouteDriftMonitor.sums` on this rank (None where nothing was counted).
+        device: where the reduction buffer lives (the communication backend's device).
+        sequence_parallel: whether TP ranks split the tokens (megatron's ``sequence_parallel``).
+        optional_prefixes: prefixes left out of the result when no rank counted a token for them.
+
+    Returns:
+        The metrics of :func:`respo_verl.routing.diagnostics.drift_metrics` per prefix; empty when no rank holds a
+        MoE layer. One host synchronisation.
+    """
+    from megatron.core import parallel_state as mpu
+
+    dist = torch.distributed
+    # The width of the sums comes from the ranks that counted something, so that it is defined in one place
+    # (RouteDriftStats) and a rank without counts still contributes a block of the same shape.
+    slots = max((per_layer.shape[-1] for per_layer, _ in sums_by_prefix.values() if per_layer is not None), default=0)
+    header = torch.tensor([max(local_layers, default=-1) + 1, slots], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(header, op=dist.ReduceOp.MAX)
+    num_layers, slots = (int(v) for v in header.tolist())
+    if num_layers == 0:
+        return {}
+    width = 1 + slots  # per layer: present on this rank, then the sums
+    pp_size, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+    rows = torch.tensor(list(local_layers), dtype=torch.long, device=device)
+    blocks = []
+    for per_layer, any_layer in sums_by_prefix.values():
+        layer_block = torch.zeros(num_layers, width, dtype=torch.float64, device=device)
+        layer_block[rows, 0] = 1.0
+        if per_layer is not None:
+            layer_block[rows, 1:] = per_layer.to(device=device, dtype=torch.float64)
+        stage_block = torch.zeros(pp_size, 2, dtype=torch.float64, device=device)
+        if any_layer is not None:
+            stage_block[pp_rank] = any_layer.to(device=device, dtype=torch.float64)
+        blocks += [layer_block.reshape(-1), stage_block.reshape(-1)]
+    flat = torch.cat(blocks)
+    if dist.is_initialized():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    tp_copies = 1 if sequence_parallel else mpu.get_tensor_model_parallel_world_size()
+    flat = flat.cpu()  # the one host sync
+    metrics: dict[str, float] = {}
+    offset = 0
+    for prefix in sums_by_prefix:
+        layer_block = flat[offset : offset + num_layers * width].reshape(num_layers, width)
+        offset += num_layers * width
+        stage_block = flat[offset : offset + pp_size * 2].reshape(pp_size, 2)
+        offset += pp_size * 2
+        layers = torch.nonzero(layer_block[:, 0] > 0).flatten()
+        counted = stage_block[:, 0].max()
+        if prefix in optional_prefixes and counted == 0:
+            continue
+        any_layer = torch.stack([counted, stage_block[:, 1].sum() if pp_size == 1 else counted.new_zeros(())])
+        per_layer = layer_block[layers, 1:] if slots else None
+        values = drift_metrics(layers.tolist(), per_layer, any_layer if slots else None, prefix=prefix)
+        values[f"{prefix}/replayed_tokens"] = counted.item() / tp_copies
+        if pp_size > 1:
+            del values[f"{prefix}/any_layer_flip_frac"]
+            for stage in range(pp_size):
+                values[f"{prefix}/any_layer_flip_frac/pp_stage_{stage}"] = (
+                    stage_block[stage, 1] / stage_block[stage, 0]
+                ).item()
+        metrics.update(values)
+    return metrics

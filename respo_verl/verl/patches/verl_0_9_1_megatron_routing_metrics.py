@@ -26,14 +26,11 @@ metrics, keeps only ``mfu``. So:
   next training call as ``routing/compute_log_prob/...``, summed over all forward-only calls since the last one
   (absent when none replayed anything).
 
-Per-layer sums are added over all ranks (one ``all_reduce`` of a few hundred numbers per training call, every rank
-of the engine's world takes part) before the ratios are formed, so per-layer and overall ratios are exact token
-averages over DP, CP, TP and pipeline stages. ``replayed_tokens`` is de-duplicated over TP ranks when sequence
-parallelism is off (every TP rank then routes the same tokens). ``any_layer_flip_frac`` needs a per-token OR over all
-layers; pipeline stages never see each other's tokens, so with PP > 1 it is reported per stage as
-``any_layer_flip_frac/pp_stage_{s}`` (the whole-model value is at least their maximum). The values are scalars per
-mini-batch, handed to verl as one-element lists like its micro-batch metrics; the trainer's mean over mini-batches
-is therefore a mean of per-mini-batch ratios.
+Per-layer sums are added over all ranks by :func:`respo_verl.megatron.routing.reduce_route_drift` (a small
+``all_reduce`` per training call, every rank of the engine's world takes part) before the ratios are formed; with
+PP > 1 ``any_layer_flip_frac`` is reported per stage (the whole-model value is at least their maximum). The values
+are scalars per mini-batch, handed to verl as one-element lists like its micro-batch metrics; the trainer's mean
+over mini-batches is therefore a mean of per-mini-batch ratios.
 
 Switching it on: :func:`maybe_apply` (called by the plugin on import in every verl process) applies the patch only
 if the environment variable ``RESPO_VERL_ROUTING_DIAGNOSTICS`` is ``1``/``true``; the ``routing=r2`` and
@@ -50,8 +47,6 @@ from collections.abc import Mapping
 
 import torch
 
-from respo_verl.routing.diagnostics import drift_metrics
-
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "RESPO_VERL_ROUTING_DIAGNOSTICS"
@@ -59,7 +54,6 @@ TRAIN_PREFIX = "routing"  # verl's trainer adds "actor/"
 LOG_PROB_PREFIX = "routing/compute_log_prob"
 _STATE_ATTR = "_respo_route_drift"
 _ORIGINAL_ATTR = "__respo_original__"
-_NUM_COLS = 5  # per layer: present on this rank, then the 4 sums of RouteDriftStats
 _states: weakref.WeakSet = weakref.WeakSet()  # per-engine states, only so that remove() can unhook their routers
 
 
@@ -195,59 +189,15 @@ class _EngineRouteDrift:
         return output
 
     def _reduce(self, engine, sums_by_prefix: dict) -> dict[str, float]:
-        """Sum the per-layer and per-stage counts over all ranks of the engine's world; ratios from the sums."""
-        from megatron.core import parallel_state as mpu
+        from respo_verl.megatron.routing import reduce_route_drift
 
-        dist = torch.distributed
-        local_layers = self.monitor.layers if self.monitor is not None else ()
-        device = self._device(engine, sums_by_prefix)
-        num_layers = torch.tensor([max(local_layers, default=-1) + 1], dtype=torch.float64, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(num_layers, op=dist.ReduceOp.MAX)
-        num_layers = int(num_layers.item())
-        if num_layers == 0:
-            return {}
-        pp_size, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
-        rows = torch.tensor(local_layers, dtype=torch.long, device=device)
-        blocks = []
-        for per_layer, any_layer in sums_by_prefix.values():
-            layer_block = torch.zeros(num_layers, _NUM_COLS, dtype=torch.float64, device=device)
-            layer_block[rows, 0] = 1.0
-            if per_layer is not None:
-                layer_block[rows, 1:] = per_layer.to(device)
-            stage_block = torch.zeros(pp_size, 2, dtype=torch.float64, device=device)
-            if any_layer is not None:
-                stage_block[pp_rank] = any_layer.to(device)
-            blocks += [layer_block.reshape(-1), stage_block.reshape(-1)]
-        flat = torch.cat(blocks)
-        if dist.is_initialized():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        tp_copies = 1
-        if not getattr(engine.tf_config, "sequence_parallel", False):
-            tp_copies = mpu.get_tensor_model_parallel_world_size()  # every TP rank routed the same tokens
-        flat = flat.cpu()  # the one host sync
-        metrics: dict[str, float] = {}
-        offset = 0
-        for prefix in sums_by_prefix:
-            layer_block = flat[offset : offset + num_layers * _NUM_COLS].reshape(num_layers, _NUM_COLS)
-            offset += num_layers * _NUM_COLS
-            stage_block = flat[offset : offset + pp_size * 2].reshape(pp_size, 2)
-            offset += pp_size * 2
-            layers = torch.nonzero(layer_block[:, 0] > 0).flatten()
-            counted = stage_block[:, 0].max()
-            if prefix == LOG_PROB_PREFIX and counted == 0:
-                continue  # no replaying forward-only call since the last update (R2, bypass mode): no keys
-            any_layer = torch.stack([counted, stage_block[:, 1].sum() if pp_size == 1 else counted.new_zeros(())])
-            values = drift_metrics(layers.tolist(), layer_block[layers, 1:], any_layer, prefix=prefix)
-            values[f"{prefix}/replayed_tokens"] = counted.item() / tp_copies
-            if pp_size > 1:
-                del values[f"{prefix}/any_layer_flip_frac"]
-                for stage in range(pp_size):
-                    values[f"{prefix}/any_layer_flip_frac/pp_stage_{stage}"] = (
-                        stage_block[stage, 1] / stage_block[stage, 0]
-                    ).item()
-            metrics.update(values)
-        return metrics
+        return reduce_route_drift(
+            self.monitor.layers if self.monitor is not None else (),
+            sums_by_prefix,
+            self._device(engine, sums_by_prefix),
+            sequence_parallel=bool(getattr(engine.tf_config, "sequence_parallel", False)),
+            optional_prefixes=(LOG_PROB_PREFIX,),  # no replaying forward-only call since the last update: no keys
+        )
 
     def _device(self, engine, sums_by_prefix: dict) -> torch.device:
         for per_layer, _ in sums_by_prefix.values():
