@@ -1,8 +1,9 @@
 """Routing replay for HF/transformers Qwen3-MoE models (the path verl's FSDP engine uses; verl has none there).
 
-R2 / R3 (SPEC §6): record the top-k experts a forward chose, and force them in a later forward. Replay fixes the
-discrete selection only: the gate weights are the live router's softmax restricted to the recorded experts and
-renormalised exactly as the model does (``norm_topk_prob``), so the router keeps its gradient.
+R2 / R3 (``docs/routing-replay.md``; GSPO arXiv 2507.18071, R3 arXiv 2510.11370): record the top-k experts a
+forward chose, and force them in a later forward. Replay fixes the discrete selection only: the gate weights are the
+live router's softmax restricted to the recorded experts and renormalised exactly as the model does
+(``norm_topk_prob``), so the router keeps its gradient.
 
 Usage in a plain PyTorch loop::
 
