@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup lint test bench demo clean
+.PHONY: setup lint test bench demo demo-mini clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,13 @@ test: lint
 bench: setup
 	$(PY) scripts/bench_losses.py
 
-# The main job on a CPU machine: the paper's experiment in miniature, quick mode (README).
+# The main job on a CPU machine: verl's own trainer with ReSPO and rollout reuse N = 4 (python -m respo_verl.main_ppo
+# algorithm=respo +device=cpu), one line per step, then `respo-verl report` of the run (README, docs/cpu.md).
 demo: setup
+	$(VENV)/bin/respo-verl demo
+
+# The paper's experiment in miniature, in-process on CPU (docs/mini.md).
+demo-mini: setup
 	$(VENV)/bin/respo-verl mini
 
 clean:

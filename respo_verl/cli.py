@@ -11,6 +11,7 @@ import sys
 
 # name -> (module with main(argv), one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("respo_verl.verl.demo", "a real verl run with ReSPO on this CPU (main_ppo +device=cpu), then its report"),
     "plan": ("respo_verl.planner.cli", "check a cluster layout preset and estimate per-GPU memory"),
     "mini": ("respo_verl.mini.cli", "the paper's experiment in miniature on CPU (tiny Qwen3, rollout reuse)"),
     "sweep": ("respo_verl.sweep.cli", "expand the ReSPO/VESPO/GRPO/GSPO x N x seed grid into verl runs"),

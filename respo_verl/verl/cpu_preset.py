@@ -62,13 +62,14 @@ def check_cpu_job(cfg: Any) -> None:
             f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}={modules!r} must name {CPU_MODULE} (and the "
             f"plugin) with {PRESET}: this value replaces the shell's in every Ray process"
         )
-    for role in ("actor", "ref"):
-        strategy = _select(cfg, f"actor_rollout_ref.{role}.strategy")
-        if strategy == "megatron":
-            raise CPUJobError(
-                f"{PRESET} runs verl's FSDP engine only; model_engine=megatron (actor_rollout_ref.{role}.strategy="
-                "megatron) is not supported on CPU yet"
-            )
+    engines = {_select(cfg, "model_engine")} | {
+        _select(cfg, f"actor_rollout_ref.{r}.strategy") for r in ("actor", "ref")
+    }
+    if "megatron" in engines:
+        raise CPUJobError(
+            f"{PRESET} runs verl's FSDP engine only; model_engine=megatron is not supported on CPU yet "
+            "(see docs/cpu.md)"
+        )
     attention = _select(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
     if attention not in CPU_ATTENTION:
         raise CPUJobError(

@@ -13,7 +13,10 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 import types
 from contextlib import contextmanager
 from typing import Any
@@ -161,6 +164,42 @@ def platform_class() -> type:
     return PlatformCPU
 
 
+FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+
+def _register_fsdp_engines() -> None:
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    registered = EngineRegistry._engines
+    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        if "cpu" not in registered.get(model_type, {}).get("fsdp2", {}):
+            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback`` right after the module ``name`` has been executed by the normal import machinery (once)."""
+
+    def __init__(self, name: str, callback) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, callback = spec.loader.exec_module, self.callback
+
+        def exec_then_register(module):
+            exec_module(module)
+            callback()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
 def apply() -> None:
     """Register the CPU platform and the FSDP engines for it, and make it this process's platform (idempotent)."""
     global _applied
@@ -174,12 +213,10 @@ def apply() -> None:
     if current is None or current.device_name != "cpu":
         # get_platform() may already have fallen back to CUDA in this process (verl probes at import time).
         platform_manager.set_platform(cls())
-    # The engine modules read the platform at import time, so they are imported once it is set.
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
-
-    registered = EngineRegistry._engines
-    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
-        if "cpu" not in registered.get(model_type, {}).get("fsdp2", {}):
-            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
+    # verl's engine modules read the platform at import time and import megatron-core with them (~7 s of CPU); only
+    # worker processes need them, so the FSDP engines are registered for "cpu" when verl imports them, not here.
+    if FSDP_ENGINE_MODULE in sys.modules:
+        _register_fsdp_engines()
+    else:
+        sys.meta_path.insert(0, _RegisterAfterImport(FSDP_ENGINE_MODULE, _register_fsdp_engines))
     _applied = True

@@ -1,0 +1,19 @@
+"""Fault injection for the CPU end-to-end test: the registered ``respo`` loss receives a NaN log-probability.
+
+Loaded in every Ray process of one test run through ``VERL_USE_EXTERNAL_MODULES`` (after the plugin). It wraps the
+loss that the plugin registered, puts NaN on the first response token of every sequence, and calls the real loss,
+which must refuse it with FloatingPointError.
+"""
+
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+_respo = POLICY_LOSS_REGISTRY["respo"]
+
+
+def _respo_with_nan_log_prob(old_log_prob, log_prob, advantages, response_mask, *args, **kwargs):
+    log_prob = log_prob.clone()
+    log_prob[:, 0] = float("nan")
+    return _respo(old_log_prob, log_prob, advantages, response_mask, *args, **kwargs)
+
+
+POLICY_LOSS_REGISTRY["respo"] = _respo_with_nan_log_prob
