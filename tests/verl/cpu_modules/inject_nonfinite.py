@@ -7,6 +7,8 @@ which must refuse it with FloatingPointError.
 
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
+from respo_verl.verl import losses  # noqa: F401  (registers "respo" here whatever order verl loads modules in)
+
 _respo = POLICY_LOSS_REGISTRY["respo"]
 
 
