@@ -1,9 +1,10 @@
 """``respo-verl mini``: the paper's experiment in miniature on CPU (tiny Qwen3, rollout reuse N, long answers).
 
-Quick mode (default): the four algorithms at N = 32, one seed, at the protocol's quick learning rate. ``--full``:
-the learning-rate grid at N = 32 for every algorithm × 6 seeds (2 warm starts × 3 RL seeds), then N ∈ {8, 16} at
-the common learning rate chosen on the baselines (``respo_verl.mini.protocol``). Every run prints and logs the
-regime checks (``respo_verl.mini.regime``); the scores are ``respo-verl report``'s (late = last 128 updates).
+Quick mode (default): the four algorithms at N = 32, one seed, 512 updates, at the protocol's quick learning rate
+(a smoke run with the regime checks, not a comparison). ``--full``: the learning-rate grid at N = 32 for every
+algorithm × 6 seeds (2 warm starts × 3 RL seeds), then N ∈ {8, 16} at the common learning rate chosen on the
+baselines (``respo_verl.mini.protocol``). Every run prints and logs the regime checks (``respo_verl.mini.regime``);
+the scores are ``respo-verl report``'s (late = last 128 updates).
 """
 
 from __future__ import annotations
@@ -73,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lr", type=_lr_list, default=None, metavar="LR,...", help=f"learning rates (default {protocol.QUICK_LR:g})"
     )
-    parser.add_argument("--optimizer-steps", type=int, default=protocol.OPTIMIZER_STEPS, help="updates per run")
+    parser.add_argument(
+        "--optimizer-steps",
+        type=int,
+        default=None,
+        help=f"updates per run (default {protocol.QUICK_OPTIMIZER_STEPS}; --full {protocol.OPTIMIZER_STEPS})",
+    )
     parser.add_argument(
         "--minibatch-prompts", type=int, default=protocol.MINIBATCH_PROMPTS, help="prompts per mini-batch"
     )
@@ -113,8 +119,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.routing_replay and not args.moe:
         raise UsageError("--routing-replay replays the experts of an MoE model: it needs --moe")
     args.algos = list(args.algos or algorithms.ALGORITHMS)
-    if args.full and any(v is not None for v in (args.reuse, args.seeds, args.lr)):
-        raise UsageError("--full runs the protocol's grid: it takes no --reuse, --seeds or --lr")
+    if args.full and any(v is not None for v in (args.reuse, args.seeds, args.lr, args.optimizer_steps)):
+        raise UsageError("--full runs the protocol's grid: it takes no --reuse, --seeds, --lr or --optimizer-steps")
+    if args.optimizer_steps is None:
+        args.optimizer_steps = protocol.OPTIMIZER_STEPS if args.full else protocol.QUICK_OPTIMIZER_STEPS
     args.reuse = sorted(args.reuse or (protocol.FULL_REUSE if args.full else protocol.QUICK_REUSE))
     args.seeds = list(args.seeds or (protocol.FULL_SEEDS if args.full else protocol.QUICK_SEEDS))
     args.lr = list(args.lr or (protocol.LR_GRID if args.full else (protocol.QUICK_LR,)))

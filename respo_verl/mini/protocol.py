@@ -6,7 +6,9 @@
   pick the rate it is compared at. N ∈ {8, 16} run at the common rate only (the budget's cut).
 - Mini-batches of :data:`MINIBATCH_PROMPTS` prompts × G = 8 responses; 1024 optimizer updates per run (the paper's).
 - Seeds: :data:`FULL_SEEDS` RL seeds; run s starts from warm start ``s mod 2``, so two warm starts × three RL seeds.
-- Quick mode: all methods at N = 32, one seed, at :data:`QUICK_LR` (the grid's middle, fixed in advance).
+- Quick mode: all methods at N = 32, one seed, at :data:`QUICK_LR` (the grid's middle, fixed in advance), and
+  :data:`QUICK_OPTIMIZER_STEPS` updates so that it fits a few minutes on 2 cores; it is a smoke run with the regime
+  checks, not a comparison.
 
 The late score is ``respo-verl report``'s: mean (reward + 1)/2 over the last 128 optimizer updates.
 """
@@ -22,6 +24,7 @@ BASELINES = ("grpo", "gspo", "vespo")
 MINIBATCH_PROMPTS = 4
 GROUP_SIZE = 8
 OPTIMIZER_STEPS = 1024
+QUICK_OPTIMIZER_STEPS = 512
 GRID_REUSE = 32
 FULL_REUSE = (8, 16, 32)
 QUICK_REUSE = (32,)

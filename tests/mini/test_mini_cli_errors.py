@@ -24,6 +24,7 @@ from respo_verl.mini import protocol
         (["--lr", "1e-4,abc"], "comma-separated learning rates"),
         (["--routing-replay"], "it needs --moe"),
         (["--full", "--reuse", "8"], "--full runs the protocol's grid"),
+        (["--full", "--optimizer-steps", "64"], "--full runs the protocol's grid"),
         (["--workers", "0"], "--workers must be >= 1"),
     ],
 )
@@ -64,10 +65,10 @@ def test_list_syntax_is_the_sweeps():
 def test_modes_follow_the_protocol():
     quick = mini_cli.resolve(mini_cli.build_parser().parse_args([]))
     assert (quick.algos, quick.reuse, quick.seeds, quick.lr) == (list(algorithms.ALGORITHMS), [32], [0], [1e-4])
-    assert quick.minibatch_prompts >= 4 and quick.optimizer_steps == 1024
+    assert quick.minibatch_prompts >= 4 and quick.optimizer_steps == 512
     full = mini_cli.resolve(mini_cli.build_parser().parse_args(["--full"]))
     assert (full.reuse, full.seeds, full.lr) == ([8, 16, 32], [0, 1, 2, 3, 4, 5], [3e-5, 1e-4, 3e-4])
-    assert sorted({protocol.warm_seed(s) for s in full.seeds}) == [0, 1]
+    assert sorted({protocol.warm_seed(s) for s in full.seeds}) == [0, 1] and full.optimizer_steps == 1024
 
 
 def test_learning_rate_selection():
