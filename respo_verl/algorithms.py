@@ -1,6 +1,6 @@
 """The algorithms a comparison runs: preset names, their order in tables and plots, display names and colours.
 
-One list for the whole package. The names are the ``algorithm=<name>`` presets (``respo_verl/verl/conf/algorithm``);
+One list for the whole package. The names are the ``algorithm=<name>`` presets (``configs/algorithm``);
 the order is the paper's table order (the method, the baseline it is compared with, then the other baselines).
 """
 

@@ -25,9 +25,12 @@ CPU_COMPOSE_OVERRIDES = (
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
 )
 
+# The top-level configs/ folder; the build backend ships it as this package (pyproject.toml, package-dir).
+CONFIG_PACKAGE = "respo_verl.configs"
+
 # entry -> (package holding the primary config, primary config name)
 ENTRY_CONFIGS = {
-    "respo": ("respo_verl.verl.conf", "respo_trainer"),  # python -m respo_verl.main_ppo
+    "respo": (CONFIG_PACKAGE, "respo_trainer"),  # python -m respo_verl.main_ppo
     "verl": ("verl.trainer.config", "ppo_trainer"),  # python -m verl.trainer.main_ppo (our groups via the plugin)
 }
 VERL_CONFIG_PACKAGE = ENTRY_CONFIGS["verl"][0]
@@ -47,10 +50,12 @@ class ComposeError(ValueError):
 
 
 def package_dir(package: str) -> Path:
-    """Folder of an installed package, found without importing it (or any of its parents).
+    """Folder of an installed package, found without importing it (or any of its parents) where possible.
 
     ``importlib.util.find_spec("a.b.c")`` imports ``a`` and ``a.b``; only the top-level lookup is import-free, so
-    the rest of the dotted name is walked as folders.
+    the rest of the dotted name is walked as folders. A sub-package that the build backend maps to a folder of its
+    own (``respo_verl.configs`` is ``configs/`` in an editable install) is not below its parent's folder; it is
+    then looked up through the import system, which imports its parents (for ``respo_verl``: the version only).
 
     Raises:
         ComposeError: the package is not installed or is not a folder on disk.
@@ -63,6 +68,14 @@ def package_dir(package: str) -> Path:
         folder = Path(location).joinpath(*rest)
         if folder.is_dir():
             return folder
+    if rest:
+        try:
+            mapped = importlib.util.find_spec(package)
+        except ImportError:
+            mapped = None
+        for location in (mapped.submodule_search_locations or []) if mapped else []:
+            if Path(location).is_dir():
+                return Path(location)
     raise ComposeError(f"package {package!r} has no folder on disk under {list(spec.submodule_search_locations)}")
 
 

@@ -24,7 +24,7 @@ def _compose_as_entry_point(entry: str, overrides: list[str]):
     """Hydra's compose API with `pkg://` config modules, as `@hydra.main` of the two entry points resolves them."""
     from hydra import compose, initialize_config_module
 
-    module, name = {"respo": ("respo_verl.verl.conf", "respo_trainer"), "verl": ("verl.trainer.config", "ppo_trainer")}[
+    module, name = {"respo": ("respo_verl.configs", "respo_trainer"), "verl": ("verl.trainer.config", "ppo_trainer")}[
         entry
     ]
     GlobalHydra.instance().clear()

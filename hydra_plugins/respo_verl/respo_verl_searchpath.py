@@ -8,7 +8,7 @@ from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 CONFIG_PROVIDER = "respo-verl"
-CONFIG_PATH = "pkg://respo_verl.verl.conf"
+CONFIG_PATH = "pkg://respo_verl.configs"  # the top-level configs/ folder, shipped under this name
 
 
 class RespoVerlSearchPathPlugin(SearchPathPlugin):

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Check a cluster layout preset against megatron-core/vLLM/verl rules and estimate per-GPU memory.",
         epilog=f"presets: {', '.join(PRESETS)}",
     )
-    p.add_argument("preset", help="cluster preset name (respo_verl/verl/conf/cluster/<name>.yaml)")
+    p.add_argument("preset", help="cluster preset name (configs/cluster/<name>.yaml)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.nnodes=2")
     p.add_argument("--model-config", help="HF config.json (or model directory) instead of the shipped facts")
     p.add_argument("--model", choices=sorted(SHIPPED_MODELS), help="shipped architecture (default: the preset's)")

@@ -1,4 +1,4 @@
-"""Planner metadata of the shipped cluster presets (``conf/cluster/<name>.yaml``), and composing them.
+"""Planner metadata of the shipped cluster presets (``configs/cluster/<name>.yaml``), and composing them.
 
 verl never sees this table: which model a preset is for and how much memory its GPUs have are planner facts, kept
 here so that the job config carries only keys verl reads.
@@ -42,7 +42,7 @@ PRESETS: dict[str, PresetInfo] = {
     "qwen3_1p7b_h100_2x8": PresetInfo("qwen3_1p7b", "h100"),
 }
 
-CONF_PACKAGE = "respo_verl.verl.conf"
+CONF_PACKAGE = "respo_verl.configs"  # the top-level configs/ folder
 CLUSTER_GROUP = "cluster"
 
 

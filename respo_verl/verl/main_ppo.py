@@ -1,8 +1,8 @@
 """``python -m respo_verl.main_ppo``: verl's PPO trainer with ``algorithm`` as a config group.
 
 Same run as ``python -m verl.trainer.main_ppo +algorithm=respo ...``; the differences are the primary config
-(``conf/respo_trainer.yaml``, where ``algorithm=respo`` is a plain override and the default), checks that refuse a job
-before anything starts (kernel hyperparameters, routing replay off Megatron, the CPU preset's requirements; also
+(``configs/respo_trainer.yaml``, where ``algorithm=respo`` is a plain override and the default), checks that refuse a
+job before anything starts (kernel hyperparameters, routing replay off Megatron, the CPU preset's requirements; also
 under ``--cfg job``), the CPU preset's driver set-up (``+device=cpu``: CPU platform, tiny model kit), and a preflight
 that, once Ray is up, checks on every node that this package is importable and its losses are registered, so that a
 cluster with a node missing the package stops before any model is loaded. Both of verl's trainers run: the V1 trainer
@@ -99,7 +99,7 @@ def _check_printed_job(argv: list[str]) -> None:
         sys.exit(2)
 
 
-@hydra.main(config_path="conf", config_name="respo_trainer", version_base=None)
+@hydra.main(config_path="pkg://respo_verl.configs", config_name="respo_trainer", version_base=None)
 def _hydra_main(config: DictConfig) -> None:
     try:
         check(config)

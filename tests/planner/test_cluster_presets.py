@@ -16,7 +16,7 @@ from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, McoreActorCon
 from respo_verl.planner.cli import plan
 from respo_verl.planner.presets import PRESETS, shipped_presets
 
-CONF = Path(__file__).resolve().parents[2] / "respo_verl" / "verl" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "configs"
 PRESET_NAMES = sorted(PRESETS)
 # Keys owned by algorithm/*.yaml: a cluster preset must not set them.
 ALGORITHM_OWNED = (

@@ -19,7 +19,7 @@ from verl.workers.config import FSDPActorConfig, McoreActorConfig
 from respo_verl.core.config import ReSPOConfig, VESPOConfig
 from respo_verl.verl.config import ReSPOPolicyLossConfig
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "respo_verl" / "verl" / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "configs"
 ALGORITHMS = sorted(p.stem for p in (CONF_DIR / "algorithm").glob("*.yaml"))
 EXPECTED = {
     # algorithm: (loss_mode, loss_agg_mode, adv_estimator, clip_ratio_low, clip_ratio_high)

@@ -14,7 +14,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 from verl.workers.config import McoreActorConfig
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "respo_verl" / "verl" / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "configs"
 EXPECTED = {
     # preset: (router_replay.mode of actor and ref, rollout.enable_rollout_routing_replay, our diagnostics)
     "off": ("disabled", False, False),
