@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Qwen3-30B-A3B-Base, Megatron actor + vLLM rollout, ReSPO or a baseline, on a preset cluster layout (SPEC §5).
+# Qwen3-30B-A3B-Base, Megatron actor + vLLM rollout, ReSPO or a baseline, on a preset cluster layout (docs/method.md §11).
 # Multi-node: start Ray first (scripts/ray_cluster.sh or scripts/slurm/respo_verl.sbatch), run this on the head.
 set -euo pipefail
 
@@ -7,7 +7,7 @@ set -euo pipefail
 ALGO=${ALGO:-respo}                                # respo | vespo | grpo | gspo
 N=${N:-8}                                          # rollout reuse: train_batch_size = 32·N prompts
 SEED=${SEED:-1}
-PRESET=${PRESET:-qwen3_30b_a3b_h100_2x8}           # respo_verl/verl/conf/cluster/<PRESET>.yaml
+PRESET=${PRESET:-qwen3_30b_a3b_h100_2x8}           # configs/cluster/<PRESET>.yaml
 ROUTING=${ROUTING:-}                               # routing replay: off | r2 | r3 (Megatron only); empty: off
 MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B-Base}
 DATA_DIR=${DATA_DIR:-$HOME/data/respo_verl}        # from scripts/prepare_dapo_math.py and prepare_eval_math.py
@@ -20,6 +20,6 @@ PLAN=${PLAN:-1}                                    # 1: check the layout with `r
 DRY_RUN=${DRY_RUN:-0}                              # 1: print the command and compose it with --cfg job only
 # ---------------------------------------------------------------------------------------------------------------
 
-TASK=dapo_math_overlong                            # DAPO verifier + overlong buffer 4096 of 8192 (SPEC §5)
+TASK=dapo_math_overlong                            # DAPO verifier + overlong buffer 4096 of 8192 (the paper's)
 SEED_KEY=actor_rollout_ref.actor.megatron.seed
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/launch_common.sh"

@@ -17,7 +17,7 @@ fi
 case "$ALGO" in respo|vespo|grpo|gspo) ;; *) echo "ALGO must be respo, vespo, grpo or gspo (got '$ALGO')" >&2; exit 2;; esac
 case "$ROUTING" in ''|off|r2|r3) ;; *) echo "ROUTING must be off, r2 or r3, or empty (got '$ROUTING')" >&2; exit 2;; esac
 case "$N" in ''|*[!0-9]*) echo "N must be a positive integer (got '$N')" >&2; exit 2;; esac
-# SPEC §5: 32 prompts per mini-batch, train_batch_size = 32·N, 1024 optimizer updates per run.
+# The paper's protocol (docs/method.md §11): 32 prompts per mini-batch, train_batch_size = 32·N, 1024 optimizer updates per run.
 PROMPTS_PER_UPDATE=32
 TOTAL_UPDATES=1024
 if (( N < 1 || TOTAL_UPDATES % N )); then echo "N must divide $TOTAL_UPDATES (got $N)" >&2; exit 2; fi

@@ -1,6 +1,6 @@
 """Hyperparameters of the sequence-level kernels, each with its single home here.
 
-The YAML presets shipped in ``respo_verl/verl/config`` repeat these defaults so that they show up under
+The YAML presets shipped in ``configs/algorithm`` repeat these defaults so that they show up under
 ``--cfg job``; a test keeps the two in step. Validation happens at construction, so a bad value fails when the
 config is built (in verl: in the driver's ``validate_config`` and again in every worker), naming the key.
 """
@@ -37,7 +37,7 @@ def _check_rollout_is_level(owner: str, value: object) -> str:
 
 @dataclass(frozen=True)
 class KernelBranch:
-    """One branch φ(W; α, β, λ) of the ReSPO kernel family (SPEC §2.1)."""
+    """One branch φ(W; α, β, λ) of the ReSPO kernel family (arXiv 2609.35433; docs/method.md §4.1)."""
 
     alpha: float
     beta: float

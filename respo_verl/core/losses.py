@@ -1,6 +1,6 @@
 """Kernel policy losses on plain tensors: input checks, the per-token loss matrix, the per-sequence terms.
 
-The loss is the REINFORCE form with a detached sequence coefficient (SPEC §1):
+The loss is the REINFORCE form with a detached sequence coefficient (docs/method.md §3):
 
     ℓ_it = − sg[φ(W_i)] · A_it · log π_θ(o_it)
 

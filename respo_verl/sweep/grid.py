@@ -1,4 +1,4 @@
-"""Expansion of a comparison grid into verl runs sharing one base configuration (SPEC §5).
+"""Expansion of a comparison grid into verl runs sharing one base configuration (protocol: docs/method.md §11).
 
 N is realised as the paper does: ``data.train_batch_size = ppo_mini_batch_size × N`` prompts, one PPO epoch, and
 ``trainer.total_training_steps = optimizer_steps / N`` so that every run makes the same number of optimizer updates

@@ -1,4 +1,4 @@
-"""Kernel values, limits and slopes against SPEC §2 (hand-derived expectations, fp64)."""
+"""Kernel values, limits and slopes against docs/method.md §4 (hand-derived expectations, fp64)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from respo_verl.core.kernels import respo_log_phi, respo_phi, sequence_log_weigh
 
 DEFAULTS = ReSPOConfig()
 W_GRID = (1e-8, 0.01, 0.1, 0.25, 0.5, 1.0, 2.0, 10.0, 100.0)
-# SPEC §2.1 reference table: (value, absolute tolerance implied by the digits printed there).
+# The reference table of docs/method.md §4.3: (value, absolute tolerance implied by the digits printed there).
 PHI_POS_REF = ((1.359141, 5e-7), (1.359073, 5e-7), (1.352782, 5e-7), (1.323125, 5e-7), (1.236541, 5e-7),
                (1.0, 1e-12), (0.551819, 5e-7), (6.79e-4, 5e-7), (5e-42, 0.5e-42))  # fmt: skip
 PHI_NEG_REF = ((7.39e-4, 5e-7), (0.604965, 5e-7), (1.241415, 5e-7), (1.359141, 5e-7), (1.270249, 5e-7),
@@ -36,7 +36,7 @@ def phi(w: float | torch.Tensor, branch: KernelBranch) -> torch.Tensor:
 def test_reference_values(branch, table):
     got = phi(torch.tensor(W_GRID, dtype=torch.float64), branch)
     for w, value, (expected, tol) in zip(W_GRID, got.tolist(), table):
-        assert abs(value - expected) <= tol, f"phi({w}) = {value!r}, SPEC says {expected}"
+        assert abs(value - expected) <= tol, f"phi({w}) = {value!r}, docs/method.md §4.3 gives {expected}"
 
 
 def test_default_branches_match_closed_forms():

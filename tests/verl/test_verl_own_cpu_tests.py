@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import verl
 
-# Passing on the verl 0.9.1 wheel without this package (shared/VERL_NOTES.md); about 15 s on a 2-core box.
+# Passing on the verl 0.9.1 wheel without this package; about 15 s on a 2-core box.
 VERL_CPU_TESTS_PASSING = 123
 SUITE_TIMEOUT_S = 600
 
