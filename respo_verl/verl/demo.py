@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if not env.get("VERL_FILE_LOGGER_PATH"):
         env["VERL_FILE_LOGGER_ROOT"] = str(log.parent.parent)
     trainer_log = args.out / "main_ppo.log"
-    print(f"verl's main_ppo on CPU: {' '.join(cmd[1:])}\n(verl's output: {trainer_log}; log: {log})", flush=True)
+    shown = " ".join(["python", *cmd[1:]])
+    print(f"verl's main_ppo on CPU: {shown}\n(verl's output: {trainer_log}; log: {log})", flush=True)
     started = time.perf_counter()
     with trainer_log.open("w") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
