@@ -10,7 +10,12 @@ plugin otherwise never applies it. The three patches it applies are version-keye
 
 from __future__ import annotations
 
-from respo_verl.verl.patches import verl_0_9_1_cpu_platform, verl_0_9_1_cpu_rollout, verl_0_9_1_gloo_process_group
+from respo_verl.verl.patches import (
+    verl_0_9_1_cpu_platform,
+    verl_0_9_1_cpu_rollout,
+    verl_0_9_1_gloo_process_group,
+    verl_0_9_1_megatron_cpu,
+)
 
 ROLLOUT_NAME = verl_0_9_1_cpu_rollout.ROLLOUT_NAME
 PRESET = "+device=cpu"
@@ -18,10 +23,12 @@ MODULES = "respo_verl.verl.plugin,respo_verl.verl.cpu"
 
 
 def enable() -> None:
-    """Apply the CPU platform, the gloo default backend and the hf_cpu rollout in this process (idempotent)."""
+    """Apply the CPU platform, the gloo default backend, the hf_cpu rollout and verl's Megatron engine on CPU in this
+    process (idempotent)."""
     verl_0_9_1_cpu_platform.apply()
     verl_0_9_1_gloo_process_group.apply()
     verl_0_9_1_cpu_rollout.apply()
+    verl_0_9_1_megatron_cpu.apply()
 
 
 enable()

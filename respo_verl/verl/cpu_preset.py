@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 PRESET = "+device=cpu"
+MEGATRON_PRESET = "+device=cpu_megatron"
 ROLLOUT_NAME = "hf_cpu"  # respo_verl.verl.patches.verl_0_9_1_cpu_rollout.ROLLOUT_NAME (not imported: it needs verl)
 CPU_MODULE = "respo_verl.verl.cpu"
 PLATFORM_ENV = "VERL_PLATFORM"
@@ -43,8 +44,9 @@ def check_cpu_job(cfg: Any) -> None:
     - ``trainer.device=cpu`` without the preset (verl would look for CUDA, NCCL and vLLM);
     - the preset without ``VERL_USE_EXTERNAL_MODULES`` naming the CPU module in Ray's runtime env (workers would not
       load it: the runtime env replaces the shell's value);
-    - the preset with ``model_engine=megatron`` (the Megatron engine on CPU is not part of the preset);
-    - an attention implementation or a head size that the CPU path cannot run.
+    - ``model_engine=megatron`` without the Megatron CPU preset, that preset with another engine, or a Megatron
+      setting that megatron-core cannot run on CPU (see :data:`MEGATRON_CPU_SETTINGS`);
+    - an attention implementation (FSDP engine) or a head size that the CPU path cannot run.
     """
     device = _select(cfg, "trainer.device")
     if not is_cpu_job(cfg):
@@ -62,21 +64,43 @@ def check_cpu_job(cfg: Any) -> None:
             f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}={modules!r} must name {CPU_MODULE} (and the "
             f"plugin) with {PRESET}: this value replaces the shell's in every Ray process"
         )
-    engines = {_select(cfg, "model_engine")} | {
-        _select(cfg, f"actor_rollout_ref.{r}.strategy") for r in ("actor", "ref")
-    }
-    if "megatron" in engines:
-        raise CPUJobError(
-            f"{PRESET} runs verl's FSDP engine only; model_engine=megatron is not supported on CPU yet "
-            "(see docs/cpu.md)"
-        )
-    attention = _select(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
-    if attention not in CPU_ATTENTION:
-        raise CPUJobError(
-            f"actor_rollout_ref.model.override_config.attn_implementation={attention} does not run on CPU; "
-            f"use one of {', '.join(CPU_ATTENTION)}"
-        )
+    strategies = {_select(cfg, f"actor_rollout_ref.{r}.strategy") for r in ("actor", "ref")}
+    if _select(cfg, "model_engine") == "megatron" or "megatron" in strategies:
+        _check_megatron_cpu_job(cfg, strategies)
+    else:
+        attention = _select(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
+        if attention not in CPU_ATTENTION:
+            raise CPUJobError(
+                f"actor_rollout_ref.model.override_config.attn_implementation={attention} does not run on CPU; "
+                f"use one of {', '.join(CPU_ATTENTION)}"
+            )
     _check_model_shape(_select(cfg, "actor_rollout_ref.model.path"))
+
+
+# What megatron-core 0.16.1 and mbridge need to run on CPU (no Transformer Engine, no CUDA), per role
+# (actor_rollout_ref.<role>.megatron.<key>): the values the +device=cpu_megatron preset sets.
+MEGATRON_CPU_SETTINGS = {
+    "vanilla_mbridge": (True, "HF weights go through mbridge; Megatron-Bridge is not installed on CPU"),
+    "dtype": ("fp32", "megatron-core's bf16/fp16 optimizer accepts CUDA tensors only"),
+    "override_transformer_config.attention_backend": ("local", "flash and Transformer Engine attention need CUDA"),
+    "override_transformer_config.moe_grouped_gemm": (False, "grouped GEMMs need Transformer Engine"),
+    "override_transformer_config.gradient_accumulation_fusion": (False, "a CUDA extension"),
+}
+
+
+def _check_megatron_cpu_job(cfg: Any, strategies: set) -> None:
+    if _select(cfg, "model_engine") != "megatron" or strategies != {"megatron"}:
+        raise CPUJobError(
+            f"verl's Megatron engine on CPU needs {MEGATRON_PRESET} together with model_engine=megatron (got "
+            f"model_engine={_select(cfg, 'model_engine')}, actor/ref strategy {'/'.join(sorted(map(str, strategies)))}"
+            f"; {PRESET} is the FSDP engine's preset); see docs/cpu-megatron.md"
+        )
+    for role in ("actor", "ref"):
+        for key, (value, reason) in MEGATRON_CPU_SETTINGS.items():
+            full_key = f"actor_rollout_ref.{role}.megatron.{key}"
+            got = _select(cfg, full_key)
+            if got != value and not (key == "dtype" and str(got) in ("fp32", "float32")):
+                raise CPUJobError(f"{full_key}={got} does not run on CPU ({reason}); {MEGATRON_PRESET} sets {value}")
 
 
 def _check_model_shape(path: Any) -> None:

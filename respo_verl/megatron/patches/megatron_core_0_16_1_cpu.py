@@ -13,7 +13,11 @@ the originals back:
 - the model-parallel CUDA RNG tracker's ``fork`` → a null context, its ``get_states`` / ``set_states`` → empty; CUDA
   RNG state get/set (activation recompute) → the CPU generator's state, so a recompute replays the same stream;
 - ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` → ``None`` when Transformer Engine is absent (0.16.1
-  reads the name without a guard).
+  reads the name without a guard);
+- the optimizer modules (``megatron.core.optimizer.optimizer``, ``.clip_grads``, ``.grad_scaler``) create their
+  loss-scale, found-inf and grad-norm scalars with ``device='cuda'`` written out: their module-level name ``torch``
+  becomes a view of torch whose tensor factories (``tensor``, ``zeros``, ``ones``, ``empty``, ``full``) put
+  ``device='cuda'`` tensors on the CPU (everything else is torch itself).
 
 It is a stand-in for the device, not for megatron: every megatron code path runs as written. It is process-global
 (it patches ``torch.cuda``), so apply it only in a process that never uses a GPU. :func:`apply` is idempotent;
@@ -27,6 +31,7 @@ when no CPU test or benchmark drives megatron-core any more.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any
 
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -63,6 +68,37 @@ class _NoOpStream(_NoOpEvent):
         return _NoOpEvent()
 
 
+# megatron-core modules that write device='cuda' into tensor factories on the optimizer step's path.
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+class _CPUTorch:
+    """``torch`` as a module-level name, with ``device='cuda'`` in the tensor factories meaning the CPU."""
+
+    def __init__(self, torch_module):
+        self._torch = torch_module
+        for name in _FACTORIES:
+            setattr(self, name, self._on_cpu(getattr(torch_module, name)))
+
+    @staticmethod
+    def _on_cpu(factory):
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        make.__name__ = factory.__name__
+        return make
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
 def is_applied() -> bool:
     return bool(_saved)
 
@@ -94,6 +130,9 @@ def apply() -> None:
     _replace(tracker, "set_states", lambda states: None)
     if not hasattr(moe_utils, "te_general_gemm"):
         _replace(moe_utils, "te_general_gemm", None)
+    cpu_torch = _CPUTorch(torch)
+    for module_name in _CUDA_LITERAL_MODULES:
+        _replace(importlib.import_module(module_name), "torch", cpu_torch)
 
 
 def remove() -> None:

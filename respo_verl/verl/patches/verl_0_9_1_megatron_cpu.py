@@ -1,0 +1,133 @@
+"""verl 0.9.1's Megatron engine on the CPU platform: registration, fp32 parameters, and the CPU stand-ins it needs.
+
+- verl version: 0.9.1 (with megatron-core 0.16.1 and mbridge 0.15.1).
+- Why: verl registers its Megatron engines for ``cuda`` and ``npu`` only
+  (``verl/workers/engine/megatron/transformer_impl.py``, ``@EngineRegistry.register(..., backend="megatron")``), and
+  ``McoreEngineConfig.__post_init__`` (``verl/workers/config/engine.py``) accepts ``dtype`` bfloat16 or float16 only.
+  With bf16 parameters megatron-core wraps Adam in ``Float16OptimizerWithFloat16Params``, which accepts parameters
+  by their CUDA type name only (``megatron/core/optimizer/optimizer.py``: ``param.type() in
+  ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']``, else ``TypeError``), so a CPU run needs fp32 parameters
+  (megatron-core's ``FP32Optimizer``); fp32 is also what makes the rollout's and the trainer's log-probs comparable.
+  Beyond verl, the engine needs megatron-core's CPU stand-ins
+  (:mod:`respo_verl.megatron.patches.megatron_core_0_16_1_cpu`) and mbridge on megatron-core's local layers
+  (:mod:`respo_verl.megatron.patches.mbridge_0_15_1_cpu`).
+- What :func:`apply` does, once per process: ``McoreEngineConfig`` accepts ``dtype`` fp32/float32 (verl's own check
+  runs on every other value); and when verl's Megatron engine module is imported (worker processes only; the driver
+  never builds an engine), it registers ``MegatronEngineWithLMHead`` / ``MegatronEngineWithValueHead`` for device
+  ``cpu`` through the public ``EngineRegistry``, and ``MegatronEngine.__init__`` applies the megatron-core and mbridge
+  CPU patches before verl's own code runs (so a worker that never builds a Megatron engine is left alone); the
+  engine's ``load_megatron_model_to_gpu`` / ``offload_megatron_model_to_cpu`` become a check that every parameter
+  is on the host (see :func:`_parameters_stay_on_the_host`: megatron-core's parameter buffer exists only with the
+  distributed optimizer, which takes CUDA tensors only).
+- Applied by :mod:`respo_verl.verl.cpu` (the CPU presets), never on import of respo_verl.
+- Delete when: verl registers its Megatron engine for a CPU platform and accepts fp32, and megatron-core and mbridge
+  run without Transformer Engine and CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+# PrecisionType's names of float32 (verl/utils/torch_dtypes.py FLOAT_LIST, the strings).
+FP32_NAMES = ("fp32", "float32", "32")
+# A dtype verl's own check accepts, stood in while it runs on an fp32 config.
+_CHECKED_DTYPE = "bfloat16"
+_ORIGINAL_ATTR = "__respo_original__"
+
+_applied = False
+
+
+def _accept_fp32() -> None:
+    from verl.workers.config.engine import McoreEngineConfig
+
+    original = vars(McoreEngineConfig)["__post_init__"]
+    if hasattr(original, _ORIGINAL_ATTR):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self) -> None:
+        if str(self.dtype) not in FP32_NAMES:
+            return original(self)
+        dtype = self.dtype
+        object.__setattr__(self, "dtype", _CHECKED_DTYPE)  # the field is frozen (verl's BaseConfig)
+        try:
+            original(self)
+        finally:
+            object.__setattr__(self, "dtype", dtype)
+
+    setattr(__post_init__, _ORIGINAL_ATTR, original)
+    McoreEngineConfig.__post_init__ = __post_init__
+
+
+def _patch_dependencies() -> None:
+    from respo_verl.megatron.patches import mbridge_0_15_1_cpu, megatron_core_0_16_1_cpu
+
+    megatron_core_0_16_1_cpu.apply()
+    mbridge_0_15_1_cpu.apply()
+
+
+def _parameters_stay_on_the_host(models, *args, **kwargs) -> None:
+    """verl's ``load_megatron_model_to_gpu`` / ``offload_megatron_model_to_cpu`` on the CPU platform: nothing to move.
+
+    verl's versions move megatron's DDP parameter buffer (``buffer.param_data``), which megatron-core allocates only
+    with the distributed optimizer, and that one accepts CUDA tensors only (``distrib_optimizer.py``:
+    ``model_param.type() == 'torch.cuda.FloatTensor'``). Without it ``param_data`` is None and verl's load fails
+    (``'NoneType' object has no attribute 'storage'``). On the host, parameters already are where they are used.
+    """
+    for chunk in models:
+        for name, param in chunk.named_parameters():
+            if param.device.type != "cpu":
+                raise RuntimeError(f"verl's Megatron engine on the CPU platform found {name} on {param.device}")
+
+
+def _on_engine_import() -> None:
+    """Register verl's Megatron engines for ``cpu``; the first engine built applies the megatron-core/mbridge patches.
+
+    verl imports its Megatron engine module in every worker (``verl.workers.engine`` imports all engines), also on
+    the FSDP CPU preset: only a process that builds a Megatron engine gets megatron-core's process-wide CPU patch.
+    """
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron import transformer_impl
+    from verl.workers.engine.megatron.transformer_impl import (
+        MegatronEngine,
+        MegatronEngineWithLMHead,
+        MegatronEngineWithValueHead,
+    )
+
+    registered = EngineRegistry._engines
+    for model_type, engine in (
+        ("language_model", MegatronEngineWithLMHead),
+        ("value_model", MegatronEngineWithValueHead),
+    ):
+        if "cpu" not in registered.get(model_type, {}).get("megatron", {}):
+            EngineRegistry.register(model_type=model_type, backend="megatron", device="cpu")(engine)
+    original = vars(MegatronEngine)["__init__"]
+    if hasattr(original, _ORIGINAL_ATTR):
+        return
+    for name in ("load_megatron_model_to_gpu", "offload_megatron_model_to_cpu"):
+        setattr(transformer_impl, name, _parameters_stay_on_the_host)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        _patch_dependencies()
+        original(self, *args, **kwargs)
+
+    setattr(__init__, _ORIGINAL_ATTR, original)
+    MegatronEngine.__init__ = __init__
+
+
+def apply() -> None:
+    """Accept fp32 Megatron configs now; patch the engine's dependencies when verl imports it (idempotent)."""
+    global _applied
+    if _applied:
+        return
+    from respo_verl.verl.patches.verl_0_9_1_cpu_platform import _RegisterAfterImport
+
+    _accept_fp32()
+    if MEGATRON_ENGINE_MODULE in sys.modules:
+        _on_engine_import()
+    else:
+        sys.meta_path.insert(0, _RegisterAfterImport(MEGATRON_ENGINE_MODULE, _on_engine_import))
+    _applied = True
