@@ -56,7 +56,7 @@ class RunConfig:
         warm_seed: seed of the warm start the run starts from (recorded in the run's name).
         weight_decay: AdamW weight decay (the paper's 0.1).
         routing_replay: R2 routing replay (MoE models): the experts chosen in the π_old forward are replayed in
-            every update forward of the same rollout batch, so log W carries no expert flips (SPEC §6).
+            every update forward of the same rollout batch, so log W carries no expert flips (docs/routing-replay.md).
     """
 
     algorithm: str

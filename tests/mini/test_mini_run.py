@@ -187,7 +187,7 @@ def test_run_calls_the_registered_loss_with_global_batch_info(base_model, tmp_pa
         assert call["info"]["batch_num_tokens"] == int(mask.sum())
         assert call["info"]["global_batch_size"] == mask.shape[0] == 4
         assert call["loss_agg_mode"] == "token-mean" and call["rollout_is_weights"] is None
-    # The diagnostics derived from the gradient reproduce the kernel's own SPEC §4 numbers for ReSPO.
+    # The diagnostics derived from the gradient reproduce the kernel's own starvation diagnostics for ReSPO.
     for record in records:
         data = record["data"]
         for key in ("starved_frac", "pos/frac", "pos/log_w_mean", "neg/log_w_mean"):
