@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup lint test bench demo demo-mini clean
+.PHONY: setup lint test bench demo demo-mini demo-moe clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,20 @@ demo: setup
 # The paper's experiment in miniature, in-process on CPU (docs/mini.md).
 demo-mini: setup
 	$(VENV)/bin/respo-verl mini
+
+# verl's Megatron engine on CPU: a tiny Qwen3-MoE trained by main_ppo with ReSPO and R2 routing replay, rollout reuse
+# N = 4, 4 steps, verl's file logger, then `respo-verl report` of the run (docs/cpu-megatron.md).
+DEMO_MOE_OUT ?= outputs/demo-moe
+demo-moe: setup
+	rm -rf $(DEMO_MOE_OUT) && mkdir -p $(DEMO_MOE_OUT)/log
+	VERL_FILE_LOGGER_PATH=$(CURDIR)/$(DEMO_MOE_OUT)/log/respo_moe_r2_n4.jsonl $(PY) -m respo_verl.main_ppo \
+		algorithm=respo routing=r2 model_engine=megatron +device=cpu_megatron \
+		actor_rollout_ref.actor.ppo_mini_batch_size=2 data.train_batch_size=8 trainer.total_training_steps=4 \
+		trainer.experiment_name=respo_moe_r2_n4 hydra.run.dir=$(DEMO_MOE_OUT)/hydra \
+		+ray_kwargs.ray_init._temp_dir=$$(mktemp -d /tmp/rv-XXXX) > $(DEMO_MOE_OUT)/main_ppo.log 2>&1 \
+		|| { tail -n 25 $(DEMO_MOE_OUT)/main_ppo.log; exit 1; }
+	$(VENV)/bin/respo-verl report $(DEMO_MOE_OUT)/log --out $(DEMO_MOE_OUT)/report --reward-range pm1 \
+		--metric actor/routing/flip_frac --metric actor/routing/any_layer_flip_frac
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

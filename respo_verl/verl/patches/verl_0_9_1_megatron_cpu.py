@@ -18,7 +18,9 @@
   CPU patches before verl's own code runs (so a worker that never builds a Megatron engine is left alone); the
   engine's ``load_megatron_model_to_gpu`` / ``offload_megatron_model_to_cpu`` become a check that every parameter
   is on the host (see :func:`_parameters_stay_on_the_host`: megatron-core's parameter buffer exists only with the
-  distributed optimizer, which takes CUDA tensors only).
+  distributed optimizer, which takes CUDA tensors only); and the weights the engine hands to the rollout for
+  syncing go through :func:`fuse_expert_weights` (mbridge exports the checkpoint's per-expert layout, the hf_cpu
+  rollout server holds transformers 5's fused expert tensors).
 - Applied by :mod:`respo_verl.verl.cpu` (the CPU presets), never on import of respo_verl.
 - Delete when: verl registers its Megatron engine for a CPU platform and accepts fp32, and megatron-core and mbridge
   run without Transformer Engine and CUDA.
@@ -27,7 +29,11 @@
 from __future__ import annotations
 
 import functools
+import re
 import sys
+from collections.abc import Iterable, Iterator
+
+import torch
 
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 # PrecisionType's names of float32 (verl/utils/torch_dtypes.py FLOAT_LIST, the strings).
@@ -82,6 +88,37 @@ def _parameters_stay_on_the_host(models, *args, **kwargs) -> None:
                 raise RuntimeError(f"verl's Megatron engine on the CPU platform found {name} on {param.device}")
 
 
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_expert_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF checkpoint layout (one tensor per expert and projection) -> transformers 5's in-memory expert layout.
+
+    mbridge exports Qwen3-MoE experts as a checkpoint stores them (``...mlp.experts.<e>.{gate,up,down}_proj.weight``,
+    what vLLM's loader reads); transformers 5 holds them fused per layer, ``...mlp.experts.gate_up_proj``
+    (experts, 2 * moe_intermediate, hidden; gate rows first) and ``...mlp.experts.down_proj`` (experts, hidden,
+    moe_intermediate), which is what the hf_cpu rollout server loads. Other tensors pass through unchanged; the fused
+    ones follow once the stream ends (the server takes a whole state dict).
+    """
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in named_tensors:
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+        experts.setdefault(prefix, {}).setdefault(projection, {})[expert] = tensor
+    for prefix, projections in experts.items():
+        ids = sorted(projections.get("down_proj", {}))
+        if ids != list(range(len(ids))) or any(sorted(projections.get(p, {})) != ids for p in ("gate_proj", "up_proj")):
+            raise ValueError(
+                f"{prefix}: the exported experts are incomplete ({ {p: sorted(v) for p, v in projections.items()} })"
+            )
+        gate_up = [torch.cat([projections["gate_proj"][e], projections["up_proj"][e]], dim=0) for e in ids]
+        yield f"{prefix}.gate_up_proj", torch.stack(gate_up)  # (E, 2I, H)
+        yield f"{prefix}.down_proj", torch.stack([projections["down_proj"][e] for e in ids])  # (E, H, I)
+
+
 def _on_engine_import() -> None:
     """Register verl's Megatron engines for ``cpu``; the first engine built applies the megatron-core/mbridge patches.
 
@@ -116,6 +153,15 @@ def _on_engine_import() -> None:
 
     setattr(__init__, _ORIGINAL_ATTR, original)
     MegatronEngine.__init__ = __init__
+    original_export = vars(MegatronEngine)["get_per_tensor_param"]
+
+    @functools.wraps(original_export)
+    def get_per_tensor_param(self, *args, **kwargs):
+        per_tensor_param, peft_config = original_export(self, *args, **kwargs)
+        return fuse_expert_weights(per_tensor_param), peft_config
+
+    setattr(get_per_tensor_param, _ORIGINAL_ATTR, original_export)
+    MegatronEngine.get_per_tensor_param = get_per_tensor_param
 
 
 def apply() -> None:

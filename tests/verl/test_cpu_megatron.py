@@ -1,0 +1,197 @@
+"""verl's Megatron engine on CPU (``+device=cpu_megatron model_engine=megatron``): preset, patches, end-to-end runs.
+
+The end-to-end runs are real ``python -m respo_verl.main_ppo`` subprocesses (Ray, TransferQueue, the agent loop,
+the hf_cpu rollout, verl's ``MegatronEngineWithLMHead`` with megatron-core on gloo, mbridge's weight loading and
+export, verl's naive weight sync, verl's router replay and file logger) on the tiny Qwen3-MoE of the kit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from conftest import compose
+
+from respo_verl.cpukit.build import kit_root
+from respo_verl.megatron.patches import mbridge_0_15_1_cpu
+from respo_verl.verl.cpu_preset import MEGATRON_CPU_SETTINGS, CPUJobError, check_cpu_job, is_cpu_job
+from respo_verl.verl.main_ppo import check
+
+MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
+
+
+def test_local_layer_names_map_to_the_names_of_mbridges_tables():
+    te_name = mbridge_0_15_1_cpu.te_name
+    assert (
+        te_name("decoder.layers.1.input_layernorm.weight")
+        == "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"
+    )
+    assert te_name("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight") == (
+        "decoder.layers.0.mlp.experts.linear_fc1.weight3"
+    )
+    assert te_name("decoder.layers.0.mlp.experts.local_experts.12.linear_fc2.weight") == (
+        "decoder.layers.0.mlp.experts.linear_fc2.weight12"
+    )
+    for unchanged in (
+        "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.0.mlp.router.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.final_layernorm.weight",
+        "embedding.word_embeddings.weight",
+    ):
+        assert te_name(unchanged) == unchanged
+
+
+@pytest.mark.parametrize("entry", ["respo", "verl"])
+def test_preset_composes_and_passes_the_checks_and_verls_validation(entry):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from respo_verl.verl.patches import verl_0_9_1_megatron_cpu
+
+    job = MEGATRON_JOB if entry == "respo" else ["+" + MEGATRON_JOB[0], "+" + MEGATRON_JOB[1], *MEGATRON_JOB[2:]]
+    cfg = compose(job, entry=entry)
+    assert is_cpu_job(cfg)
+    check(cfg)
+    verl_0_9_1_megatron_cpu.apply()  # what respo_verl.verl.cpu does in every process of the job (driver included)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert (actor.strategy, actor.engine.dtype, actor.engine.router_replay.mode) == ("megatron", "fp32", "R2")
+    assert (actor.engine.use_mbridge, actor.engine.vanilla_mbridge) == (True, True)
+    modules = cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES.split(",")
+    assert modules == ["respo_verl.verl.cpu", "respo_verl.verl.plugin"]  # the platform before the plugin's engines
+    assert cfg.actor_rollout_ref.model.path.endswith("/moe/model")
+
+
+def test_verl_refuses_fp32_megatron_configs_without_the_patch():
+    """The patch is needed: verl 0.9.1's McoreEngineConfig asserts bf16/fp16 (checked on a fresh class)."""
+    import dataclasses
+
+    from verl.workers.config.engine import McoreEngineConfig
+
+    from respo_verl.verl.patches import verl_0_9_1_megatron_cpu
+
+    original = getattr(vars(McoreEngineConfig)["__post_init__"], verl_0_9_1_megatron_cpu._ORIGINAL_ATTR, None)
+    original = original or vars(McoreEngineConfig)["__post_init__"]
+    fields = {f.name: f.default for f in dataclasses.fields(McoreEngineConfig) if f.init}
+    config = object.__new__(McoreEngineConfig)
+    for name, value in fields.items():
+        if value is not dataclasses.MISSING:
+            object.__setattr__(config, name, value)
+    object.__setattr__(config, "dtype", "fp32")
+    with pytest.raises(AssertionError, match="dtype fp32 not supported"):
+        original(config)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+device=cpu", "model_engine=megatron"], "needs +device=cpu_megatron together with model_engine=megatron"),
+        (["+device=cpu_megatron"], "needs +device=cpu_megatron together with model_engine=megatron"),
+    ],
+)
+def test_engine_and_preset_must_match(overrides, message):
+    with pytest.raises(CPUJobError, match=re.escape(message)):
+        check_cpu_job(compose(overrides))
+
+
+@pytest.mark.parametrize("role", ["actor", "ref"])
+@pytest.mark.parametrize("key", sorted(MEGATRON_CPU_SETTINGS))
+def test_megatron_settings_that_cannot_run_on_cpu_are_refused_naming_the_key(role, key):
+    value = MEGATRON_CPU_SETTINGS[key][0]
+    other = {True: "false", False: "true", "fp32": "bfloat16", "local": "flash"}[value]
+    full_key = f"actor_rollout_ref.{role}.megatron.{key}"
+    with pytest.raises(
+        CPUJobError,
+        match=re.escape(f"{full_key}={other}").replace("true", "[Tt]rue").replace("false", "[Ff]alse")
+        + " does not run on CPU",
+    ):
+        check_cpu_job(compose([*MEGATRON_JOB, f"{full_key}={other}"]))
+
+
+# --- end to end: python -m respo_verl.main_ppo on the Megatron engine ------------------------------------------------
+
+ROUTING_KEYS = (
+    "actor/routing/flip_frac",
+    "actor/routing/overlap",
+    "actor/routing/prob_mass_delta",
+    "actor/routing/any_layer_flip_frac",
+    "actor/routing/replayed_tokens",
+    "actor/routing/flip_frac/layer_0",
+    "actor/routing/flip_frac/layer_1",
+)
+RESPO_KEYS = ("actor/respo/pos/log_w_mean", "actor/respo/neg/phi_mean", "actor/respo/starved_mass_share")
+
+
+@pytest.fixture(scope="module")
+def moe_kit():
+    from respo_verl.cpukit.build import KitSpec, build_kit
+
+    return build_kit(KitSpec(moe=True), progress=False)
+
+
+def _megatron_run(tmp_path, reuse: int, steps: int):
+    overrides = [
+        *MEGATRON_JOB,
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"data.train_batch_size={2 * reuse}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.experiment_name=test",
+    ]
+    log = tmp_path / "log.jsonl"
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "RESPO_VERL_CPU_KIT": str(kit_root())}
+    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", TORCH_COMPILE_DISABLE="1")
+    ray_tmp = tempfile.mkdtemp(prefix="rv-ray-", dir="/tmp")  # Ray's socket paths must stay short
+    cmd = [sys.executable, "-m", "respo_verl.main_ppo", *overrides, f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    data = [line["data"] for line in lines]
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    return data
+
+
+@pytest.mark.slow
+def test_megatron_engine_trains_respo_with_r2_replay_and_reports_route_drift(tmp_path, moe_kit):
+    """N = 4: the 2nd..4th updates of a rollout batch replay π_old's routes while π_θ's router has moved."""
+    data = _megatron_run(tmp_path, reuse=4, steps=4)
+    for step in data:
+        missing = [k for k in (*RESPO_KEYS, *ROUTING_KEYS) if k not in step]
+        assert not missing, missing
+        assert step["actor/routing/replayed_tokens"] > 0
+        assert 0.0 <= step["actor/routing/flip_frac"] <= 1.0
+        assert step["actor/routing/prob_mass_delta"] <= 0.0  # the native top-k holds the most probability mass
+    # The logged value of a step is the mean over its 4 mini-batches; updates 2..4 see a router that has moved.
+    assert all(step["actor/routing/flip_frac"] > 0 for step in data[1:]), [s["actor/routing/flip_frac"] for s in data]
+
+
+def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit):
+    """The checkpoint layout mbridge exports, fused, equals transformers' in-memory Qwen3-MoE exactly."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from respo_verl.verl.patches.verl_0_9_1_megatron_cpu import fuse_expert_weights
+
+    model_dir = moe_kit.model
+    checkpoint = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        checkpoint.update(load_file(path))
+    assert any(".mlp.experts.0.gate_proj.weight" in name for name in checkpoint)  # the per-expert layout
+    fused = dict(fuse_expert_weights(checkpoint.items()))
+    own = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert set(fused) == set(own)
+    for name, tensor in own.items():
+        assert torch.equal(fused[name], tensor), name
+    incomplete = {k: v for k, v in checkpoint.items() if ".experts.3.up_proj" not in k}
+    with pytest.raises(ValueError, match="the exported experts are incomplete"):
+        dict(fuse_expert_weights(incomplete.items()))
