@@ -195,3 +195,14 @@ def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit
     incomplete = {k: v for k, v in checkpoint.items() if ".experts.3.up_proj" not in k}
     with pytest.raises(ValueError, match="the exported experts are incomplete"):
         dict(fuse_expert_weights(incomplete.items()))
+
+
+@pytest.mark.slow
+def test_r2_replays_the_live_routes_exactly_on_the_first_mini_batch_of_a_rollout_batch(tmp_path, moe_kit):
+    """N = 1: every update is the first of its rollout batch, so π_θ's router is π_old's and nothing flips."""
+    data = _megatron_run(tmp_path, reuse=1, steps=2)
+    for step in data:
+        assert step["actor/routing/replayed_tokens"] > 0
+        assert step["actor/routing/flip_frac"] == 0.0
+        assert step["actor/routing/any_layer_flip_frac"] == 0.0
+        assert step["actor/routing/overlap"] == 1.0

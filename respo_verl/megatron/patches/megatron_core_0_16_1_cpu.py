@@ -14,10 +14,11 @@ the originals back:
   RNG state get/set (activation recompute) → the CPU generator's state, so a recompute replays the same stream;
 - ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` → ``None`` when Transformer Engine is absent (0.16.1
   reads the name without a guard);
-- the optimizer modules (``megatron.core.optimizer.optimizer``, ``.clip_grads``, ``.grad_scaler``) create their
-  loss-scale, found-inf and grad-norm scalars with ``device='cuda'`` written out: their module-level name ``torch``
-  becomes a view of torch whose tensor factories (``tensor``, ``zeros``, ``ones``, ``empty``, ``full``) put
-  ``device='cuda'`` tensors on the CPU (everything else is torch itself).
+- the modules listed in ``_CUDA_LITERAL_MODULES`` (pipeline schedules, MoE utilities, the optimizer, ...) create
+  token counters, metric trackers and the optimizer's loss-scale, found-inf and grad-norm scalars with
+  ``device='cuda'`` written out: their module-level name ``torch`` becomes a view of torch whose tensor factories
+  (``tensor``, ``zeros``, ``ones``, ``empty``, ``full``) put ``device='cuda'`` tensors on the CPU (everything else is
+  torch itself).
 
 It is a stand-in for the device, not for megatron: every megatron code path runs as written. It is process-global
 (it patches ``torch.cuda``), so apply it only in a process that never uses a GPU. :func:`apply` is idempotent;
@@ -68,8 +69,13 @@ class _NoOpStream(_NoOpEvent):
         return _NoOpEvent()
 
 
-# megatron-core modules that write device='cuda' into tensor factories on the optimizer step's path.
+# megatron-core modules that write device='cuda' into tensor factories on the path of a training step (pipeline
+# schedules' token counters, MoE metric trackers, broadcast sizes, the optimizer's scalars).
 _CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.utils",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
