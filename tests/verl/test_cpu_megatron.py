@@ -49,18 +49,35 @@ def test_local_layer_names_map_to_the_names_of_mbridges_tables():
         assert te_name(unchanged) == unchanged
 
 
-@pytest.mark.parametrize("entry", ["respo", "verl"])
-def test_preset_composes_and_passes_the_checks_and_verls_validation(entry):
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
+@pytest.fixture
+def verl_megatron_cpu_patch(monkeypatch):
+    """The verl patch of the CPU presets, undone after the test (this pytest process also runs non-CPU tests)."""
+    from verl.workers.config.engine import McoreEngineConfig
 
     from respo_verl.verl.patches import verl_0_9_1_megatron_cpu
+
+    monkeypatch.setattr(McoreEngineConfig, "__post_init__", vars(McoreEngineConfig)["__post_init__"])
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(verl_0_9_1_megatron_cpu, "_applied", verl_0_9_1_megatron_cpu._applied)
+    engine_module = sys.modules.get(verl_0_9_1_megatron_cpu.MEGATRON_ENGINE_MODULE)
+    if engine_module is not None:
+        for name in ("__init__", "get_per_tensor_param"):
+            monkeypatch.setattr(engine_module.MegatronEngine, name, vars(engine_module.MegatronEngine)[name])
+        for name in ("load_megatron_model_to_gpu", "offload_megatron_model_to_cpu"):
+            monkeypatch.setattr(engine_module, name, getattr(engine_module, name))
+    return verl_0_9_1_megatron_cpu
+
+
+@pytest.mark.parametrize("entry", ["respo", "verl"])
+def test_preset_composes_and_passes_the_checks_and_verls_validation(entry, verl_megatron_cpu_patch):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
 
     job = MEGATRON_JOB if entry == "respo" else ["+" + MEGATRON_JOB[0], "+" + MEGATRON_JOB[1], *MEGATRON_JOB[2:]]
     cfg = compose(job, entry=entry)
     assert is_cpu_job(cfg)
     check(cfg)
-    verl_0_9_1_megatron_cpu.apply()  # what respo_verl.verl.cpu does in every process of the job (driver included)
+    verl_megatron_cpu_patch.apply()  # what respo_verl.verl.cpu does in every process of the job (driver included)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert (actor.strategy, actor.engine.dtype, actor.engine.router_replay.mode) == ("megatron", "fp32", "R2")
@@ -206,3 +223,17 @@ def test_r2_replays_the_live_routes_exactly_on_the_first_mini_batch_of_a_rollout
         assert step["actor/routing/flip_frac"] == 0.0
         assert step["actor/routing/any_layer_flip_frac"] == 0.0
         assert step["actor/routing/overlap"] == 1.0
+
+
+def test_verls_padding_mask_becomes_a_causal_mask_for_megatrons_local_attention():
+    from respo_verl.verl.patches.verl_0_9_1_megatron_cpu import local_attention_mask
+
+    valid = torch.tensor([[True, True, True], [True, True, False]])  # (B, S): real tokens, then padding
+    masked = local_attention_mask(valid)  # (B, 1, S, S), True = masked
+    assert masked.shape == (2, 1, 3, 3)
+    future = torch.tensor([[False, True, True], [False, False, True], [False, False, False]])
+    assert torch.equal(masked[0, 0], future)
+    assert torch.equal(masked[1, 0], future | torch.tensor([False, False, True]))  # the padded key is never seen
+    assert not masked.all(dim=-1).any()  # every query keeps at least one key
+    full = torch.zeros(2, 1, 3, 3, dtype=torch.bool)
+    assert local_attention_mask(full) is full

@@ -18,9 +18,10 @@
   CPU patches before verl's own code runs (so a worker that never builds a Megatron engine is left alone); the
   engine's ``load_megatron_model_to_gpu`` / ``offload_megatron_model_to_cpu`` become a check that every parameter
   is on the host (see :func:`_parameters_stay_on_the_host`: megatron-core's parameter buffer exists only with the
-  distributed optimizer, which takes CUDA tensors only); and the weights the engine hands to the rollout for
-  syncing go through :func:`fuse_expert_weights` (mbridge exports the checkpoint's per-expert layout, the hf_cpu
-  rollout server holds transformers 5's fused expert tensors).
+  distributed optimizer, which takes CUDA tensors only); the padding mask of verl's bshd forward becomes the causal
+  mask megatron-core's local attention needs (:func:`local_attention_mask`); and the weights the engine hands to the
+  rollout for syncing go through :func:`fuse_expert_weights` (mbridge exports the checkpoint's per-expert layout,
+  the hf_cpu rollout server holds transformers 5's fused expert tensors).
 - Applied by :mod:`respo_verl.verl.cpu` (the CPU presets), never on import of respo_verl.
 - Delete when: verl registers its Megatron engine for a CPU platform and accepts fp32, and megatron-core and mbridge
   run without Transformer Engine and CUDA.
@@ -88,6 +89,22 @@ def _parameters_stay_on_the_host(models, *args, **kwargs) -> None:
                 raise RuntimeError(f"verl's Megatron engine on the CPU platform found {name} on {param.device}")
 
 
+def local_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """verl's padding mask of the bshd path -> the causal mask megatron-core's local attention applies.
+
+    verl's Megatron forward (``verl/models/mcore/model_forward.py``, ``preprocess_bshd_engine``) passes a
+    (batch, seq) boolean mask, True on real tokens, which Transformer Engine's and flash attention's padding-causal
+    kernels take. megatron-core's local ``DotProductAttention`` masks the scores (batch, heads, seq, seq) with the
+    mask it is given (True = masked) and builds the causal mask only when it gets none, so it needs both in one
+    (batch, 1, seq, seq) tensor. Padding sits after the tokens, so every row keeps at least its first key.
+    """
+    if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
+        return attention_mask  # already a full mask (or none): leave it to megatron
+    seq = attention_mask.shape[1]
+    future = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).triu(diagonal=1)  # (S, S)
+    return future[None, None] | ~attention_mask[:, None, None, :]  # (B, 1, S, S)
+
+
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -145,6 +162,16 @@ def _on_engine_import() -> None:
         return
     for name in ("load_megatron_model_to_gpu", "offload_megatron_model_to_cpu"):
         setattr(transformer_impl, name, _parameters_stay_on_the_host)
+    from verl.models.mcore import model_forward
+
+    preprocess_bshd = vars(model_forward)["preprocess_bshd_engine"]
+
+    @functools.wraps(preprocess_bshd)
+    def preprocess_bshd_engine(*args, **kwargs):
+        input_ids, attention_mask, position_ids = preprocess_bshd(*args, **kwargs)
+        return input_ids, local_attention_mask(attention_mask), position_ids
+
+    model_forward.preprocess_bshd_engine = preprocess_bshd_engine
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
