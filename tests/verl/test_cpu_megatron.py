@@ -225,15 +225,16 @@ def test_r2_replays_the_live_routes_exactly_on_the_first_mini_batch_of_a_rollout
         assert step["actor/routing/overlap"] == 1.0
 
 
-def test_verls_padding_mask_becomes_a_causal_mask_for_megatrons_local_attention():
-    from respo_verl.verl.patches.verl_0_9_1_megatron_cpu import local_attention_mask
+def test_verls_padding_mask_becomes_a_causal_mask_for_megatrons_local_attention_and_back():
+    from respo_verl.verl.patches.verl_0_9_1_megatron_cpu import local_attention_mask, padding_mask
 
     valid = torch.tensor([[True, True, True], [True, True, False]])  # (B, S): real tokens, then padding
     masked = local_attention_mask(valid)  # (B, 1, S, S), True = masked
     assert masked.shape == (2, 1, 3, 3)
     future = torch.tensor([[False, True, True], [False, False, True], [False, False, False]])
     assert torch.equal(masked[0, 0], future)
-    assert torch.equal(masked[1, 0], future | torch.tensor([False, False, True]))  # the padded key is never seen
-    assert not masked.all(dim=-1).any()  # every query keeps at least one key
+    assert torch.equal(masked[1, 0, :2], future[:2] | torch.tensor([False, False, True]))  # padded key never seen
+    assert masked[1, 0, 2].all()  # the padded query sees nothing (its output is dropped)
+    assert torch.equal(padding_mask(masked), valid)
     full = torch.zeros(2, 1, 3, 3, dtype=torch.bool)
-    assert local_attention_mask(full) is full
+    assert local_attention_mask(full) is full and padding_mask(valid) is valid

@@ -96,13 +96,21 @@ def local_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     (batch, seq) boolean mask, True on real tokens, which Transformer Engine's and flash attention's padding-causal
     kernels take. megatron-core's local ``DotProductAttention`` masks the scores (batch, heads, seq, seq) with the
     mask it is given (True = masked) and builds the causal mask only when it gets none, so it needs both in one
-    (batch, 1, seq, seq) tensor. Padding sits after the tokens, so every row keeps at least its first key.
+    (batch, 1, seq, seq) tensor: verl builds exactly that for Ascend NPUs (``verl/models/mcore/util.py``,
+    ``_build_npu_attn_mask``), which is used here.
     """
     if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
         return attention_mask  # already a full mask (or none): leave it to megatron
-    seq = attention_mask.shape[1]
-    future = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).triu(diagonal=1)  # (S, S)
-    return future[None, None] | ~attention_mask[:, None, None, :]  # (B, 1, S, S)
+    from verl.models.mcore.util import _build_npu_attn_mask
+
+    return _build_npu_attn_mask(attention_mask)  # (B, 1, S, S), True = masked
+
+
+def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The (batch, seq) real-token mask back from :func:`local_attention_mask`'s (verl's NPU branch does the same)."""
+    if attention_mask.dim() != 4:
+        return attention_mask
+    return ~attention_mask.diagonal(dim1=-2, dim2=-1).squeeze(1)  # (B, S)
 
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -171,7 +179,14 @@ def _on_engine_import() -> None:
         input_ids, attention_mask, position_ids = preprocess_bshd(*args, **kwargs)
         return input_ids, local_attention_mask(attention_mask), position_ids
 
+    postprocess_bshd = vars(model_forward)["postprocess_bshd_engine"]
+
+    @functools.wraps(postprocess_bshd)
+    def postprocess_bshd_engine(output, attention_mask, *args, **kwargs):
+        return postprocess_bshd(output, padding_mask(attention_mask), *args, **kwargs)
+
     model_forward.preprocess_bshd_engine = preprocess_bshd_engine
+    model_forward.postprocess_bshd_engine = postprocess_bshd_engine
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
