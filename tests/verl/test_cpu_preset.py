@@ -47,7 +47,7 @@ def test_preset_composes_and_passes_verls_validation(entry, algorithm):
     ("overrides", "message"),
     [
         (["trainer.device=cpu"], "trainer.device=cpu needs the CPU preset: add +device=cpu"),
-        (["+device=cpu", "model_engine=megatron"], "model_engine=megatron is not supported on CPU"),
+        (["+device=cpu", "model_engine=megatron"], "needs +device=cpu_megatron together with model_engine=megatron"),
         (
             ["+device=cpu", "actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"],
             "flash_attention_2 does not run on CPU",
