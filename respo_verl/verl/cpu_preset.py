@@ -95,6 +95,14 @@ def _check_megatron_cpu_job(cfg: Any, strategies: set) -> None:
             f"model_engine={_select(cfg, 'model_engine')}, actor/ref strategy {'/'.join(sorted(map(str, strategies)))}"
             f"; {PRESET} is the FSDP engine's preset); see docs/cpu-megatron.md"
         )
+    replay = _select(cfg, "actor_rollout_ref.actor.megatron.router_replay.mode")
+    if replay not in (None, "disabled"):
+        raise CPUJobError(
+            f"actor_rollout_ref.actor.megatron.router_replay.mode={replay} (routing=r2/r3) does not run on CPU: verl "
+            "0.9.1's router replay lays routes out for packed (THD) sequences, which need Transformer Engine or flash "
+            "attention, while megatron-core's local attention runs padded (bshd) batches; use routing=off "
+            "(docs/cpu-megatron.md)"
+        )
     for role in ("actor", "ref"):
         for key, (value, reason) in MEGATRON_CPU_SETTINGS.items():
             full_key = f"actor_rollout_ref.{role}.megatron.{key}"

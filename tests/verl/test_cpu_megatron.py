@@ -24,7 +24,7 @@ from respo_verl.megatron.patches import mbridge_0_15_1_cpu
 from respo_verl.verl.cpu_preset import MEGATRON_CPU_SETTINGS, CPUJobError, check_cpu_job, is_cpu_job
 from respo_verl.verl.main_ppo import check
 
-MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
+MEGATRON_JOB = ["algorithm=respo", "routing=off", "model_engine=megatron", "+device=cpu_megatron"]
 
 
 def test_local_layer_names_map_to_the_names_of_mbridges_tables():
@@ -80,7 +80,7 @@ def test_preset_composes_and_passes_the_checks_and_verls_validation(entry, verl_
     verl_megatron_cpu_patch.apply()  # what respo_verl.verl.cpu does in every process of the job (driver included)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert (actor.strategy, actor.engine.dtype, actor.engine.router_replay.mode) == ("megatron", "fp32", "R2")
+    assert (actor.strategy, actor.engine.dtype, actor.engine.router_replay.mode) == ("megatron", "fp32", "disabled")
     assert (actor.engine.use_mbridge, actor.engine.vanilla_mbridge) == (True, True)
     modules = cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES.split(",")
     assert modules == ["respo_verl.verl.cpu", "respo_verl.verl.plugin"]  # the platform before the plugin's engines
@@ -119,6 +119,14 @@ def test_engine_and_preset_must_match(overrides, message):
         check_cpu_job(compose(overrides))
 
 
+@pytest.mark.parametrize("routing", ["r2", "r3"])
+def test_routing_replay_is_refused_before_anything_starts(routing):
+    """verl 0.9.1 lays replayed routes out for packed sequences; the CPU model runs padded ones (docs)."""
+    job = [*MEGATRON_JOB[:1], f"routing={routing}", *MEGATRON_JOB[2:]]
+    with pytest.raises(CPUJobError, match=f"router_replay.mode={routing.upper()} .* does not run on CPU"):
+        check_cpu_job(compose(job))
+
+
 @pytest.mark.parametrize("role", ["actor", "ref"])
 @pytest.mark.parametrize("key", sorted(MEGATRON_CPU_SETTINGS))
 def test_megatron_settings_that_cannot_run_on_cpu_are_refused_naming_the_key(role, key):
@@ -135,16 +143,11 @@ def test_megatron_settings_that_cannot_run_on_cpu_are_refused_naming_the_key(rol
 
 # --- end to end: python -m respo_verl.main_ppo on the Megatron engine ------------------------------------------------
 
-ROUTING_KEYS = (
-    "actor/routing/flip_frac",
-    "actor/routing/overlap",
-    "actor/routing/prob_mass_delta",
-    "actor/routing/any_layer_flip_frac",
-    "actor/routing/replayed_tokens",
-    "actor/routing/flip_frac/layer_0",
-    "actor/routing/flip_frac/layer_1",
-)
 RESPO_KEYS = ("actor/respo/pos/log_w_mean", "actor/respo/neg/phi_mean", "actor/respo/starved_mass_share")
+# The hf_cpu rollout (transformers, fp32) and the Megatron actor (megatron-core's local layers, fp32) score the same
+# tokens with the same synced weights: any layout error in the weight mapping, the expert fusion or the attention
+# mask shows up as a gap of order 1.
+SYNCED_LOG_PROB_GAP = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -173,23 +176,21 @@ def _megatron_run(tmp_path, reuse: int, steps: int):
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    data = [line["data"] for line in lines]
     assert [line["step"] for line in lines] == list(range(1, steps + 1))
-    return data
+    return [line["data"] for line in lines]
 
 
 @pytest.mark.slow
-def test_megatron_engine_trains_respo_with_r2_replay_and_reports_route_drift(tmp_path, moe_kit):
-    """N = 4: the 2nd..4th updates of a rollout batch replay π_old's routes while π_θ's router has moved."""
+def test_megatron_engine_trains_respo_with_rollout_reuse(tmp_path, moe_kit):
+    """N = 4 updates per rollout batch on verl's Megatron engine; the rollout gets the trained weights back."""
     data = _megatron_run(tmp_path, reuse=4, steps=4)
     for step in data:
-        missing = [k for k in (*RESPO_KEYS, *ROUTING_KEYS) if k not in step]
+        missing = [k for k in RESPO_KEYS if k not in step]
         assert not missing, missing
-        assert step["actor/routing/replayed_tokens"] > 0
-        assert 0.0 <= step["actor/routing/flip_frac"] <= 1.0
-        assert step["actor/routing/prob_mass_delta"] <= 0.0  # the native top-k holds the most probability mass
-    # The logged value of a step is the mean over its 4 mini-batches; updates 2..4 see a router that has moved.
-    assert all(step["actor/routing/flip_frac"] > 0 for step in data[1:]), [s["actor/routing/flip_frac"] for s in data]
+    gaps = [step["training/rollout_probs_diff_max"] for step in data]
+    assert max(gaps) < SYNCED_LOG_PROB_GAP, gaps
+    # Rollout reuse: updates 2..4 of a rollout batch train on stale data, so log W moves away from 0.
+    assert any(abs(step["actor/respo/pos/log_w_mean"]) > 1e-3 for step in data)
 
 
 def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit):
