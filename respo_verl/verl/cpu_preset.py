@@ -96,12 +96,10 @@ def _check_megatron_cpu_job(cfg: Any, strategies: set) -> None:
             f"; {PRESET} is the FSDP engine's preset); see docs/cpu-megatron.md"
         )
     replay = _select(cfg, "actor_rollout_ref.actor.megatron.router_replay.mode")
-    if replay not in (None, "disabled"):
+    if replay == "R3":
         raise CPUJobError(
-            f"actor_rollout_ref.actor.megatron.router_replay.mode={replay} (routing=r2/r3) does not run on CPU: verl "
-            "0.9.1's router replay lays routes out for packed (THD) sequences, which need Transformer Engine or flash "
-            "attention, while megatron-core's local attention runs padded (bshd) batches; use routing=off "
-            "(docs/cpu-megatron.md)"
+            "actor_rollout_ref.actor.megatron.router_replay.mode=R3 (routing=r3) does not run on CPU: the hf_cpu "
+            "rollout server does not return the experts it routed to; use routing=r2 or off (docs/cpu-megatron.md)"
         )
     for role in ("actor", "ref"):
         for key, (value, reason) in MEGATRON_CPU_SETTINGS.items():

@@ -24,7 +24,7 @@ from respo_verl.megatron.patches import mbridge_0_15_1_cpu
 from respo_verl.verl.cpu_preset import MEGATRON_CPU_SETTINGS, CPUJobError, check_cpu_job, is_cpu_job
 from respo_verl.verl.main_ppo import check
 
-MEGATRON_JOB = ["algorithm=respo", "routing=off", "model_engine=megatron", "+device=cpu_megatron"]
+MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
 
 
 def test_local_layer_names_map_to_the_names_of_mbridges_tables():
@@ -80,7 +80,7 @@ def test_preset_composes_and_passes_the_checks_and_verls_validation(entry, verl_
     verl_megatron_cpu_patch.apply()  # what respo_verl.verl.cpu does in every process of the job (driver included)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert (actor.strategy, actor.engine.dtype, actor.engine.router_replay.mode) == ("megatron", "fp32", "disabled")
+    assert (actor.strategy, actor.engine.dtype, actor.engine.router_replay.mode) == ("megatron", "fp32", "R2")
     assert (actor.engine.use_mbridge, actor.engine.vanilla_mbridge) == (True, True)
     modules = cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES.split(",")
     assert modules == ["respo_verl.verl.cpu", "respo_verl.verl.plugin"]  # the platform before the plugin's engines
@@ -119,12 +119,27 @@ def test_engine_and_preset_must_match(overrides, message):
         check_cpu_job(compose(overrides))
 
 
-@pytest.mark.parametrize("routing", ["r2", "r3"])
-def test_routing_replay_is_refused_before_anything_starts(routing):
-    """verl 0.9.1 lays replayed routes out for packed sequences; the CPU model runs padded ones (docs)."""
-    job = [*MEGATRON_JOB[:1], f"routing={routing}", *MEGATRON_JOB[2:]]
-    with pytest.raises(CPUJobError, match=f"router_replay.mode={routing.upper()} .* does not run on CPU"):
+def test_rollout_routing_replay_is_refused_before_anything_starts():
+    """R3 needs the experts the rollout routed to; the hf_cpu server does not return them (docs)."""
+    job = [*MEGATRON_JOB[:1], "routing=r3", *MEGATRON_JOB[2:]]
+    with pytest.raises(CPUJobError, match=re.escape("router_replay.mode=R3 (routing=r3) does not run on CPU")):
         check_cpu_job(compose(job))
+
+
+def test_routes_of_a_padded_batch_are_laid_out_as_its_routers_see_them_and_back():
+    from respo_verl.verl.patches.verl_0_9_1_megatron_cpu import per_sample_routes, seq_major_routes
+
+    # two samples of 3 and 1 tokens, 1 layer, top-1: expert ids 10, 11, 12 and 20
+    routes = torch.nested.as_nested_tensor(
+        [torch.tensor([[[10]], [[11]], [[12]]]), torch.tensor([[[20]]])], layout=torch.jagged
+    )
+    rows, valid = seq_major_routes(routes)  # token (s, b) at row s * batch + b
+    assert rows.flatten().tolist() == [10, 20, 11, 0, 12, 0]
+    assert valid.tolist() == [True, True, True, False, True, False]
+    back = per_sample_routes(rows, torch.tensor([3, 1]))
+    assert [t.flatten().tolist() for t in back.unbind()] == [[10, 11, 12], [20]]
+    with pytest.raises(ValueError, match="recorded 5 routes, expected 3 x 2"):
+        per_sample_routes(rows[:5], torch.tensor([3, 1]))
 
 
 @pytest.mark.parametrize("role", ["actor", "ref"])
@@ -144,6 +159,15 @@ def test_megatron_settings_that_cannot_run_on_cpu_are_refused_naming_the_key(rol
 # --- end to end: python -m respo_verl.main_ppo on the Megatron engine ------------------------------------------------
 
 RESPO_KEYS = ("actor/respo/pos/log_w_mean", "actor/respo/neg/phi_mean", "actor/respo/starved_mass_share")
+ROUTING_KEYS = (
+    "actor/routing/flip_frac",
+    "actor/routing/overlap",
+    "actor/routing/prob_mass_delta",
+    "actor/routing/any_layer_flip_frac",
+    "actor/routing/replayed_tokens",
+    "actor/routing/flip_frac/layer_0",
+    "actor/routing/flip_frac/layer_1",
+)
 # The hf_cpu rollout (transformers, fp32) and the Megatron actor (megatron-core's local layers, fp32) score the same
 # tokens with the same synced weights: any layout error in the weight mapping, the expert fusion or the attention
 # mask shows up as a gap of order 1.
@@ -177,20 +201,33 @@ def _megatron_run(tmp_path, reuse: int, steps: int):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, steps + 1))
-    return [line["data"] for line in lines]
+    data = [line["data"] for line in lines]
+    for step in data:
+        missing = [k for k in (*RESPO_KEYS, *ROUTING_KEYS) if k not in step]
+        assert not missing, missing
+        assert step["actor/routing/replayed_tokens"] > 0
+    gaps = [step["training/rollout_probs_diff_max"] for step in data]
+    assert max(gaps) < SYNCED_LOG_PROB_GAP, gaps
+    return data
 
 
 @pytest.mark.slow
-def test_megatron_engine_trains_respo_with_rollout_reuse(tmp_path, moe_kit):
-    """N = 4 updates per rollout batch on verl's Megatron engine; the rollout gets the trained weights back."""
+def test_megatron_engine_trains_respo_with_r2_replay_and_reports_route_drift(tmp_path, moe_kit):
+    """N = 4: updates 2..4 of a rollout batch replay π_old's routes while π_θ's router has moved."""
     data = _megatron_run(tmp_path, reuse=4, steps=4)
-    for step in data:
-        missing = [k for k in RESPO_KEYS if k not in step]
-        assert not missing, missing
-    gaps = [step["training/rollout_probs_diff_max"] for step in data]
-    assert max(gaps) < SYNCED_LOG_PROB_GAP, gaps
-    # Rollout reuse: updates 2..4 of a rollout batch train on stale data, so log W moves away from 0.
-    assert any(abs(step["actor/respo/pos/log_w_mean"]) > 1e-3 for step in data)
+    flips = [step["actor/routing/flip_frac"] for step in data]  # per step: the mean over its 4 mini-batches
+    assert all(0.0 <= f <= 1.0 for f in flips) and sum(flips) > 0, flips
+    assert all(step["actor/routing/prob_mass_delta"] <= 0.0 for step in data)  # native top-k holds the most mass
+    assert any(abs(step["actor/respo/pos/log_w_mean"]) > 1e-3 for step in data)  # stale mini-batches: log W != 0
+
+
+@pytest.mark.slow
+def test_r2_replays_the_live_routes_exactly_on_the_first_mini_batch_of_a_rollout_batch(tmp_path, moe_kit):
+    """N = 1: every update is the first of its rollout batch, so π_θ's router is π_old's and nothing flips."""
+    for step in _megatron_run(tmp_path, reuse=1, steps=2):
+        assert step["actor/routing/flip_frac"] == 0.0
+        assert step["actor/routing/any_layer_flip_frac"] == 0.0
+        assert step["actor/routing/overlap"] == 1.0
 
 
 def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit):
@@ -213,17 +250,6 @@ def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit
     incomplete = {k: v for k, v in checkpoint.items() if ".experts.3.up_proj" not in k}
     with pytest.raises(ValueError, match="the exported experts are incomplete"):
         dict(fuse_expert_weights(incomplete.items()))
-
-
-@pytest.mark.slow
-def test_r2_replays_the_live_routes_exactly_on_the_first_mini_batch_of_a_rollout_batch(tmp_path, moe_kit):
-    """N = 1: every update is the first of its rollout batch, so π_θ's router is π_old's and nothing flips."""
-    data = _megatron_run(tmp_path, reuse=1, steps=2)
-    for step in data:
-        assert step["actor/routing/replayed_tokens"] > 0
-        assert step["actor/routing/flip_frac"] == 0.0
-        assert step["actor/routing/any_layer_flip_frac"] == 0.0
-        assert step["actor/routing/overlap"] == 1.0
 
 
 def test_verls_padding_mask_becomes_a_causal_mask_for_megatrons_local_attention_and_back():

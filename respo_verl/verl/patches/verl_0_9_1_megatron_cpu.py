@@ -19,7 +19,8 @@
   engine's ``load_megatron_model_to_gpu`` / ``offload_megatron_model_to_cpu`` become a check that every parameter
   is on the host (see :func:`_parameters_stay_on_the_host`: megatron-core's parameter buffer exists only with the
   distributed optimizer, which takes CUDA tensors only); the padding mask of verl's bshd forward becomes the causal
-  mask megatron-core's local attention needs (:func:`local_attention_mask`); and the weights the engine hands to the
+  mask megatron-core's local attention needs (:func:`local_attention_mask`); verl's R2 record/replay gets the
+  padded batch's route layout (:func:`_replay_on_padded_batches`); and the weights the engine hands to the
   rollout for syncing go through :func:`fuse_expert_weights` (mbridge exports the checkpoint's per-expert layout,
   the hf_cpu rollout server holds transformers 5's fused expert tensors).
 - Applied by :mod:`respo_verl.verl.cpu` (the CPU presets), never on import of respo_verl.
@@ -113,6 +114,67 @@ def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ~attention_mask.diagonal(dim1=-2, dim2=-1).squeeze(1)  # (B, S)
 
 
+def seq_major_routes(routes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample routes (jagged (batch, len_i, layers, topk)) -> the order the routers of a padded batch see.
+
+    megatron-core's routers see the padded batch's hidden states (seq, batch, hidden) flattened, token (s, b) at row
+    s * batch + b. Returns those rows (seq * batch, layers, topk), zeros on padding, and the (seq * batch,) mask of
+    real tokens (padding keeps its native route and is not counted as replayed).
+    """
+    lengths = routes.offsets().diff()  # (B,)
+    padded = torch.nested.to_padded_tensor(routes, 0)  # (B, S, L, K)
+    batch, seq = padded.shape[:2]
+    valid = torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]  # (B, S)
+    return padded.transpose(0, 1).reshape(seq * batch, *padded.shape[2:]), valid.transpose(0, 1).reshape(-1)
+
+
+def per_sample_routes(seq_major: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`seq_major_routes`: rows (seq * batch, layers, topk) -> jagged (batch, len_i, layers, topk)."""
+    batch, seq = len(lengths), int(lengths.max())
+    if seq_major.shape[0] != seq * batch:
+        raise ValueError(
+            f"router replay on a padded batch: recorded {seq_major.shape[0]} routes, expected {seq} x {batch}"
+        )
+    padded = seq_major.reshape(seq, batch, *seq_major.shape[1:]).transpose(0, 1)  # (B, S, L, K)
+    return torch.nested.as_nested_tensor([padded[i, : int(n)] for i, n in enumerate(lengths)], layout=torch.jagged)
+
+
+def _replay_on_padded_batches(transformer_impl) -> None:
+    """verl's R2 record/replay with the layout of a padded (bshd) forward.
+
+    verl 0.9.1 packs the recorded and replayed routes as packed (THD) sequences
+    (``verl/utils/megatron/router_replay_utils.py``: ``merge_router_topk_indices`` unpacks what the routers recorded
+    with ``postprocess_thd_engine``, ``set_router_replay_data`` packs the replay data with ``preprocess_thd_engine``),
+    the only layout its Megatron engine runs on a GPU; a padded batch routes seq x batch rows, padding included. Both
+    functions are called here on one "sample" holding the rows in the routers' own order, and the result is turned
+    into per-sample routes (record) or built from them (replay), so verl's own code does the rest.
+    """
+    merge_original = vars(transformer_impl)["merge_router_topk_indices"]
+    replay_original = vars(transformer_impl)["set_router_replay_data"]
+
+    @functools.wraps(merge_original)
+    def merge_router_topk_indices(attention_mask, input_ids, mini_layer_topk_idx_list, *args, **kwargs):
+        if not input_ids.is_nested:
+            return merge_original(attention_mask, input_ids, mini_layer_topk_idx_list, *args, **kwargs)
+        lengths = input_ids.offsets().diff()
+        rows = len(lengths) * int(lengths.max())
+        one_sample = torch.nested.as_nested_tensor([input_ids.values().new_zeros(rows)], layout=torch.jagged)
+        merge_original(attention_mask, one_sample, mini_layer_topk_idx_list, *args, **kwargs)
+        mini_layer_topk_idx_list[-1] = per_sample_routes(mini_layer_topk_idx_list[-1].values(), lengths)
+
+    @functools.wraps(replay_original)
+    def set_router_replay_data(layers_topk_idx, attention_mask, *args, replay_mask=None, **kwargs):
+        if not layers_topk_idx.is_nested or replay_mask is not None:
+            return replay_original(layers_topk_idx, attention_mask, *args, replay_mask=replay_mask, **kwargs)
+        rows, valid = seq_major_routes(layers_topk_idx)
+        one_sample = torch.nested.as_nested_tensor([rows], layout=torch.jagged)
+        mask = torch.nested.as_nested_tensor([valid], layout=torch.jagged)
+        return replay_original(one_sample, attention_mask, *args, replay_mask=mask, **kwargs)
+
+    transformer_impl.merge_router_topk_indices = merge_router_topk_indices
+    transformer_impl.set_router_replay_data = set_router_replay_data
+
+
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -186,6 +248,7 @@ def _on_engine_import() -> None:
         return postprocess_bshd(output, padding_mask(attention_mask), *args, **kwargs)
 
     model_forward.preprocess_bshd_engine = preprocess_bshd_engine
+    _replay_on_padded_batches(transformer_impl)
     model_forward.postprocess_bshd_engine = postprocess_bshd_engine
 
     @functools.wraps(original)
