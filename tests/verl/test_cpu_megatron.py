@@ -265,3 +265,19 @@ def test_verls_padding_mask_becomes_a_causal_mask_for_megatrons_local_attention_
     assert torch.equal(padding_mask(masked), valid)
     full = torch.zeros(2, 1, 3, 3, dtype=torch.bool)
     assert local_attention_mask(full) is full and padding_mask(valid) is valid
+
+
+def test_cpu_gradient_clipping_scales_like_megatrons_and_refuses_non_fp32_gradients():
+    from respo_verl.megatron.patches.megatron_core_0_16_1_cpu import _clip_grad_by_total_norm_fp32
+
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
+    params[0].grad, params[1].grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])  # total norm 5
+    _clip_grad_by_total_norm_fp32(params, max_norm=10.0, total_norm=5.0)  # coefficient >= 1: unchanged
+    assert params[0].grad.tolist() == [3.0, 0.0] and params[1].grad.tolist() == [4.0]
+    _clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=5.0)
+    assert torch.allclose(torch.cat([p.grad for p in params]), torch.tensor([3.0, 0.0, 4.0]) / (5.0 + 1e-6))
+    half = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+    half.grad = torch.ones(1, dtype=torch.bfloat16)
+    params.append(half)
+    with pytest.raises(TypeError, match="expects fp32 gradients"):
+        _clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=5.0)

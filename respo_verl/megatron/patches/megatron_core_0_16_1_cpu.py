@@ -18,7 +18,11 @@ the originals back:
   token counters, metric trackers and the optimizer's loss-scale, found-inf and grad-norm scalars with
   ``device='cuda'`` written out: their module-level name ``torch`` becomes a view of torch whose tensor factories
   (``tensor``, ``zeros``, ``ones``, ``empty``, ``full``) put ``device='cuda'`` tensors on the CPU (everything else is
-  torch itself).
+  torch itself);
+- ``clip_grad_by_total_norm_fp32`` as the optimizer module uses it: megatron-core's asserts
+  ``param.grad.type() == 'torch.cuda.FloatTensor'`` before it scales the gradients; the CPU version checks for fp32
+  gradients instead and scales them by the same ``max_norm / (total_norm + 1e-6)`` when that is below 1 (the norm
+  itself is still megatron's ``get_grad_norm_fp32``).
 
 It is a stand-in for the device, not for megatron: every megatron code path runs as written. It is process-global
 (it patches ``torch.cuda``), so apply it only in a process that never uses a GPU. :func:`apply` is idempotent;
@@ -105,6 +109,26 @@ class _CPUTorch:
         return getattr(self._torch, name)
 
 
+# megatron-core's clip_grads.py: the epsilon added to the total norm before the clip coefficient is formed.
+_CLIP_EPS = 1.0e-6
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` for CPU tensors (see the module docstring)."""
+    import torch
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    name = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, name).detach() for p in parameters if getattr(p, name, None) is not None]
+    wrong = sorted({str(g.dtype) for g in grads if g.dtype not in (torch.float32, torch.bfloat16)})
+    if wrong or (not use_decoupled_grad and any(g.dtype != torch.float32 for g in grads)):
+        raise TypeError(f"gradient clipping expects fp32 gradients, got {wrong or 'bf16'}")
+    clip_coeff = max_norm / (total_norm + _CLIP_EPS)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
 def is_applied() -> bool:
     return bool(_saved)
 
@@ -136,6 +160,9 @@ def apply() -> None:
     _replace(tracker, "set_states", lambda states: None)
     if not hasattr(moe_utils, "te_general_gemm"):
         _replace(moe_utils, "te_general_gemm", None)
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    _replace(megatron_optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
     cpu_torch = _CPUTorch(torch)
     for module_name in _CUDA_LITERAL_MODULES:
         _replace(importlib.import_module(module_name), "torch", cpu_torch)
