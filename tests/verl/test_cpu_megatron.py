@@ -138,6 +138,10 @@ def test_routes_of_a_padded_batch_are_laid_out_as_its_routers_see_them_and_back(
     assert valid.tolist() == [True, True, True, False, True, False]
     back = per_sample_routes(rows, torch.tensor([3, 1]))
     assert [t.flatten().tolist() for t in back.unbind()] == [[10, 11, 12], [20]]
+    from_offsets = torch.nested.nested_tensor_from_jagged(
+        torch.tensor([10, 11, 12, 20]).reshape(4, 1, 1), offsets=torch.tensor([0, 3, 4])
+    )  # how verl hands routes to the replay
+    assert torch.equal(seq_major_routes(from_offsets)[0], rows)
     with pytest.raises(ValueError, match="recorded 5 routes, expected 3 x 2"):
         per_sample_routes(rows[:5], torch.tensor([3, 1]))
 

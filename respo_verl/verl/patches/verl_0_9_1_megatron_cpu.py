@@ -122,7 +122,8 @@ def seq_major_routes(routes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     real tokens (padding keeps its native route and is not counted as replayed).
     """
     lengths = routes.offsets().diff()  # (B,)
-    padded = torch.nested.to_padded_tensor(routes, 0)  # (B, S, L, K)
+    # pad_sequence, not to_padded_tensor: a jagged tensor built from offsets may carry no (or a wrong) max length.
+    padded = torch.nn.utils.rnn.pad_sequence(list(routes.unbind()), batch_first=True)  # (B, S, L, K)
     batch, seq = padded.shape[:2]
     valid = torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]  # (B, S)
     return padded.transpose(0, 1).reshape(seq * batch, *padded.shape[2:]), valid.transpose(0, 1).reshape(-1)
