@@ -46,7 +46,7 @@ demo-mini: setup
 DEMO_MOE_OUT ?= outputs/demo-moe
 demo-moe: setup
 	rm -rf $(DEMO_MOE_OUT) && mkdir -p $(DEMO_MOE_OUT)/log
-	VERL_FILE_LOGGER_PATH=$(CURDIR)/$(DEMO_MOE_OUT)/log/respo_moe_r2_n4.jsonl $(PY) -m respo_verl.main_ppo \
+	VERL_FILE_LOGGER_PATH=$(CURDIR)/$(DEMO_MOE_OUT)/log/respo-n4-s0.jsonl $(PY) -m respo_verl.main_ppo \
 		algorithm=respo routing=r2 model_engine=megatron +device=cpu_megatron \
 		actor_rollout_ref.actor.ppo_mini_batch_size=2 data.train_batch_size=8 trainer.total_training_steps=4 \
 		trainer.experiment_name=respo_moe_r2_n4 hydra.run.dir=$(DEMO_MOE_OUT)/hydra \
