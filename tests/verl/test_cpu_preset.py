@@ -131,10 +131,11 @@ print(get_device_name(), get_nccl_backend(), dist.get_backend(), get_rollout_cla
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # torch reports the backend of a device-typed process group as "<device>:<backend>"
     assert proc.stdout.split() == [
         "cpu",
         "gloo",
-        "gloo",
+        "cpu:gloo",
         "CPURolloutAdapter",
         "CPURolloutReplica",
         "FSDPEngineWithLMHead",
