@@ -17,10 +17,6 @@ from respo_verl.verl.patches import (
     verl_0_9_1_megatron_cpu,
 )
 
-ROLLOUT_NAME = verl_0_9_1_cpu_rollout.ROLLOUT_NAME
-PRESET = "+device=cpu"
-MODULES = "respo_verl.verl.plugin,respo_verl.verl.cpu"
-
 
 def enable() -> None:
     """Apply the CPU platform, the gloo default backend, the hf_cpu rollout and verl's Megatron engine on CPU in this

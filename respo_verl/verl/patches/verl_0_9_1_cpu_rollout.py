@@ -231,9 +231,6 @@ class CPURolloutServer:
     async def stop_profile(self):
         return None
 
-    def stats(self) -> dict:
-        return {"weight_updates": self.weight_updates, "ignore_weight_updates": self.ignore_weight_updates}
-
 
 def _replica_class() -> type:
     from verl.workers.rollout.replica import RolloutReplica
