@@ -40,6 +40,23 @@ def actor_config(model_engine: str = "dp", algorithm: str = "respo", overrides: 
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
+@pytest.fixture(autouse=True)
+def _restore_transformer_engine_attention_env():
+    """megatron-core sets ``NVTE_*_ATTN`` in ``os.environ`` when it builds a model; keep that inside the test.
+
+    Left set, they reach the trainer subprocesses of later tests, whose local attention backend refuses them.
+    """
+    from respo_verl.verl.cpu_preset import TE_ATTENTION_ENV
+
+    saved = {name: os.environ.get(name) for name in TE_ATTENTION_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(params=["dp", "megatron"])
 def model_engine(request) -> str:
     return request.param

@@ -101,12 +101,29 @@ def _check_megatron_cpu_job(cfg: Any, strategies: set) -> None:
             "actor_rollout_ref.actor.megatron.router_replay.mode=R3 (routing=r3) does not run on CPU: the hf_cpu "
             "rollout server does not return the experts it routed to; use routing=r2 or off (docs/cpu-megatron.md)"
         )
+    _check_attention_env(cfg)
     for role in ("actor", "ref"):
         for key, (value, reason) in MEGATRON_CPU_SETTINGS.items():
             full_key = f"actor_rollout_ref.{role}.megatron.{key}"
             got = _select(cfg, full_key)
             if got != value and not (key == "dtype" and str(got) in ("fp32", "float32")):
                 raise CPUJobError(f"{full_key}={got} does not run on CPU ({reason}); {MEGATRON_PRESET} sets {value}")
+
+
+# Transformer Engine's attention switches. megatron-core asserts that each is unset or 0 when it builds a model with
+# the local attention backend, and a process that built a model with another backend leaves them set to 1.
+TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def _check_attention_env(cfg: Any) -> None:
+    runtime_env = _select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+    for name in TE_ATTENTION_ENV:
+        for where, value in (("the environment", os.environ.get(name)), ("Ray's runtime env", runtime_env.get(name))):
+            if value not in (None, "0", 0):
+                raise CPUJobError(
+                    f"{name}={value} in {where} conflicts with the local attention backend of {MEGATRON_PRESET} "
+                    "(megatron-core requires it unset or 0); unset it"
+                )
 
 
 def _check_model_shape(path: Any) -> None:

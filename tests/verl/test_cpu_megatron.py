@@ -126,6 +126,21 @@ def test_rollout_routing_replay_is_refused_before_anything_starts():
         check_cpu_job(compose(job))
 
 
+@pytest.mark.parametrize("where", ["shell", "runtime_env"])
+def test_transformer_engine_attention_switches_left_on_are_refused_naming_the_variable(where, monkeypatch):
+    """megatron-core asserts on NVTE_FLASH_ATTN=1 deep in a Ray worker; the preflight says it first."""
+    overrides = list(MEGATRON_JOB)
+    if where == "shell":
+        monkeypatch.setenv("NVTE_FLASH_ATTN", "1")
+    else:
+        overrides.append("+ray_kwargs.ray_init.runtime_env.env_vars.NVTE_FUSED_ATTN='1'")
+    name = "NVTE_FLASH_ATTN" if where == "shell" else "NVTE_FUSED_ATTN"
+    with pytest.raises(CPUJobError, match=re.escape(f"{name}=1 in ") + ".*conflicts with the local attention"):
+        check_cpu_job(compose(overrides))
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")  # what megatron-core itself sets for the local backend
+    check_cpu_job(compose(list(MEGATRON_JOB)))
+
+
 def test_routes_of_a_padded_batch_are_laid_out_as_its_routers_see_them_and_back():
     from respo_verl.verl.patches.verl_0_9_1_megatron_cpu import per_sample_routes, seq_major_routes
 
