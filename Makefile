@@ -43,13 +43,15 @@ demo-mini: setup
 
 # verl's Megatron engine on CPU: a tiny Qwen3-MoE trained by main_ppo with ReSPO and R2 routing replay, rollout reuse
 # N = 4, 4 steps, verl's file logger, then `respo-verl report` of the run (docs/cpu-megatron.md).
+# DEMO_MOE_ROUTING=r3 replays the rollout's routes instead (R3).
 DEMO_MOE_OUT ?= outputs/demo-moe
+DEMO_MOE_ROUTING ?= r2
 demo-moe: setup
 	rm -rf $(DEMO_MOE_OUT) && mkdir -p $(DEMO_MOE_OUT)/log
 	VERL_FILE_LOGGER_PATH=$(CURDIR)/$(DEMO_MOE_OUT)/log/respo-n4-s0.jsonl $(PY) -m respo_verl.main_ppo \
-		algorithm=respo routing=r2 model_engine=megatron +device=cpu_megatron \
+		algorithm=respo routing=$(DEMO_MOE_ROUTING) model_engine=megatron +device=cpu_megatron \
 		actor_rollout_ref.actor.ppo_mini_batch_size=2 data.train_batch_size=8 trainer.total_training_steps=4 \
-		trainer.experiment_name=respo_moe_r2_n4 hydra.run.dir=$(DEMO_MOE_OUT)/hydra \
+		trainer.experiment_name=respo_moe_$(DEMO_MOE_ROUTING)_n4 hydra.run.dir=$(DEMO_MOE_OUT)/hydra \
 		+ray_kwargs.ray_init._temp_dir=$$(mktemp -d /tmp/rv-XXXX) > $(DEMO_MOE_OUT)/main_ppo.log 2>&1 \
 		|| { tail -n 25 $(DEMO_MOE_OUT)/main_ppo.log; exit 1; }
 	$(VENV)/bin/respo-verl report $(DEMO_MOE_OUT)/log --out $(DEMO_MOE_OUT)/report --reward-range pm1 \

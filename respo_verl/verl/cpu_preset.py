@@ -95,12 +95,6 @@ def _check_megatron_cpu_job(cfg: Any, strategies: set) -> None:
             f"model_engine={_select(cfg, 'model_engine')}, actor/ref strategy {'/'.join(sorted(map(str, strategies)))}"
             f"; {PRESET} is the FSDP engine's preset); see docs/cpu-megatron.md"
         )
-    replay = _select(cfg, "actor_rollout_ref.actor.megatron.router_replay.mode")
-    if replay == "R3":
-        raise CPUJobError(
-            "actor_rollout_ref.actor.megatron.router_replay.mode=R3 (routing=r3) does not run on CPU: the hf_cpu "
-            "rollout server does not return the experts it routed to; use routing=r2 or off (docs/cpu-megatron.md)"
-        )
     _check_attention_env(cfg)
     for role in ("actor", "ref"):
         for key, (value, reason) in MEGATRON_CPU_SETTINGS.items():

@@ -119,11 +119,62 @@ def test_engine_and_preset_must_match(overrides, message):
         check_cpu_job(compose(overrides))
 
 
-def test_rollout_routing_replay_is_refused_before_anything_starts():
-    """R3 needs the experts the rollout routed to; the hf_cpu server does not return them (docs)."""
-    job = [*MEGATRON_JOB[:1], "routing=r3", *MEGATRON_JOB[2:]]
-    with pytest.raises(CPUJobError, match=re.escape("router_replay.mode=R3 (routing=r3) does not run on CPU")):
-        check_cpu_job(compose(job))
+R3_JOB = [MEGATRON_JOB[0], "routing=r3", *MEGATRON_JOB[2:]]
+
+
+def test_rollout_routing_replay_composes_and_passes_the_checks():
+    cfg = compose(R3_JOB)
+    check_cpu_job(cfg)
+    assert cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay is True
+    assert cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
+
+
+def _rollout_server(model_path, r3: bool):
+    from omegaconf import OmegaConf
+
+    from respo_verl.verl.patches.verl_0_9_1_cpu_rollout import CPURolloutServer
+
+    config = OmegaConf.create(
+        {
+            "prompt_length": 8,
+            "response_length": 12,
+            "seed": 0,
+            "engine_kwargs": {},
+            "enable_rollout_routing_replay": r3,
+        }
+    )
+    return CPURolloutServer(config, OmegaConf.create({"path": str(model_path)}))
+
+
+def test_rollout_server_returns_the_routes_of_every_token_it_fed_to_the_model(moe_kit):
+    """R3's input: (prompt + response - 1, layers, top-k), the routes a full forward of those tokens chooses."""
+    import asyncio
+
+    from respo_verl.routing.hf import RoutingReplay
+
+    server = _rollout_server(moe_kit.model, r3=True)
+    prompt = [5, 9, 11, 7, 3]
+    out = asyncio.run(
+        server.generate(prompt, {"temperature": 1.0, "ignore_eos": True, "max_tokens": 6, "logprobs": 1}, "r0")
+    )
+    fed = prompt + out.token_ids[:-1]
+    layers, top_k = server.model.config.num_hidden_layers, server.model.config.num_experts_per_tok
+    assert out.routed_experts.shape == (len(fed), layers, top_k) and str(out.routed_experts.dtype) == "int16"
+    with torch.no_grad(), RoutingReplay(_rollout_server(moe_kit.model, r3=False).model) as replay:
+        with replay.record() as routes:
+            replay.model(input_ids=torch.tensor([fed]))
+    full = torch.stack([routes[layer] for layer in replay.layers], dim=1)  # (tokens, L, K)
+    assert torch.equal(torch.from_numpy(out.routed_experts).long(), full)
+    plain = asyncio.run(_rollout_server(moe_kit.model, r3=False).generate(prompt, {"max_tokens": 3}, "r1"))
+    assert plain.routed_experts is None
+
+
+def test_rollout_routing_replay_on_a_dense_model_names_the_option():
+    from respo_verl.cpukit.build import KitSpec, build_kit
+
+    dense = build_kit(KitSpec(), progress=False)
+    with pytest.raises(ValueError, match=r"enable_rollout_routing_replay=true .* needs an MoE model"):
+        _rollout_server(dense.model, r3=True)
 
 
 @pytest.mark.parametrize("where", ["shell", "runtime_env"])
@@ -200,9 +251,9 @@ def moe_kit():
     return build_kit(KitSpec(moe=True), progress=False)
 
 
-def _megatron_run(tmp_path, reuse: int, steps: int):
+def _megatron_run(tmp_path, reuse: int, steps: int, job: list[str] = MEGATRON_JOB):
     overrides = [
-        *MEGATRON_JOB,
+        *job,
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         f"data.train_batch_size={2 * reuse}",
         f"trainer.total_training_steps={steps}",
@@ -247,6 +298,17 @@ def test_r2_replays_the_live_routes_exactly_on_the_first_mini_batch_of_a_rollout
         assert step["actor/routing/flip_frac"] == 0.0
         assert step["actor/routing/any_layer_flip_frac"] == 0.0
         assert step["actor/routing/overlap"] == 1.0
+
+
+@pytest.mark.slow
+def test_r3_replays_the_rollouts_routes_in_the_old_log_prob_pass_and_every_update(tmp_path, moe_kit):
+    """N = 2: the hf_cpu server records its routes, verl aligns them and every Megatron forward replays them."""
+    data = _megatron_run(tmp_path, reuse=2, steps=2, job=R3_JOB)
+    for step in data:
+        # π_old's Megatron router, fed the rollout's weights, chooses what the rollout's HF router chose: recording,
+        # alignment and the padded layout are right (a shifted or misplaced route would flip most tokens).
+        assert step["actor/routing/compute_log_prob/replayed_tokens"] > 0
+        assert step["actor/routing/compute_log_prob/flip_frac"] < 0.01, step
 
 
 def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit):

@@ -20,8 +20,12 @@
   undoes both registrations.
 - Delete when: verl ships a CPU rollout (or a public rollout-class registry, which would remove the patched entry).
 
-Not exercised by this rollout: vLLM/SGLang scheduling, prefix caching, CUDA-IPC weight transfer, multi-modal inputs,
-routed-expert recording (R3).
+With ``enable_rollout_routing_replay`` (``routing=r3``) on an MoE model, the server also returns the experts each of
+its forwards chose, as verl's vLLM server does: ``TokenOutput.routed_experts``, an int16 array (prompt length +
+response length - 1, MoE layers, top-k) with the routes of every token fed to the model (the last sampled token is
+never fed), recorded with :class:`respo_verl.routing.hf.RoutingReplay`.
+
+Not exercised by this rollout: vLLM/SGLang scheduling, prefix caching, CUDA-IPC weight transfer, multi-modal inputs.
 """
 
 from __future__ import annotations
@@ -108,6 +112,17 @@ class CPURolloutServer:
         eos = generation.eos_token_id if generation.eos_token_id is not None else self.model.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.generator = torch.Generator().manual_seed(int(getattr(config, "seed", 0)) + replica_rank)
+        self.routing = None
+        if bool(getattr(config, "enable_rollout_routing_replay", False)):
+            from respo_verl.routing.hf import RoutingReplay
+
+            try:
+                self.routing = RoutingReplay(self.model, diagnostics=False)
+            except ValueError as error:
+                raise ValueError(
+                    f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true (routing=r3) needs an MoE model; "
+                    f"{path}: {error}"
+                ) from error
         # One request at a time: the model is small and CPU threads are better spent inside one forward.
         self._lock = asyncio.Lock()
         self._aborted = False
@@ -115,17 +130,28 @@ class CPURolloutServer:
     def get_server_address(self) -> tuple[str, int]:
         return f"{ROLLOUT_NAME}-{self.replica_rank}", self.node_rank
 
+    def _forward(self, input_ids: torch.Tensor, past, routes: list[torch.Tensor]):
+        """One forward with the KV cache; with R3 on, appends the (tokens, layers, top-k) routes it chose."""
+        if self.routing is None:
+            return self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        with self.routing.record() as chosen:
+            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        routes.append(torch.stack([chosen[layer] for layer in self.routing.layers], dim=1))  # (tokens, L, K)
+        return out
+
     @torch.no_grad()
-    def _generate(self, prompt_ids: list[int], max_tokens: int, params: dict) -> tuple[list[int], list[float], str]:
+    def _generate(
+        self, prompt_ids: list[int], max_tokens: int, params: dict
+    ) -> tuple[list[int], list[float], str, torch.Tensor | None]:
         temperature = float(params.get("temperature", 1.0))
         top_p = float(params.get("top_p", 1.0))
         top_k = int(params.get("top_k", -1) or -1)
         ignore_eos = bool(params.get("ignore_eos", False))
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # (1, P)
         past = None
-        tokens, log_probs = [], []
+        tokens, log_probs, routes = [], [], []
         for _ in range(max_tokens):
-            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+            out = self._forward(input_ids, past, routes)
             past = out.past_key_values
             token, log_prob = _sample(out.logits[0, -1], temperature, top_p, top_k, self.generator)
             tokens.append(token)
@@ -133,7 +159,9 @@ class CPURolloutServer:
             if token in self.eos_token_ids and not ignore_eos:
                 break
             input_ids = torch.tensor([[token]], dtype=torch.long)  # (1, 1)
-        return tokens, log_probs, "completed"
+        # (P + len(tokens) - 1, L, K): the last sampled token was never fed to the model.
+        routed = torch.cat(routes).to(torch.int16) if routes else None
+        return tokens, log_probs, "completed", routed
 
     async def generate(
         self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, image_data=None, **kwargs
@@ -154,10 +182,13 @@ class CPURolloutServer:
                 return TokenOutput(
                     token_ids=[], stop_reason="aborted", extra_fields={"global_steps": self.global_steps}
                 )
-            tokens, log_probs, stop = await asyncio.to_thread(self._generate, list(prompt_ids), max_tokens, params)
+            tokens, log_probs, stop, routed = await asyncio.to_thread(
+                self._generate, list(prompt_ids), max_tokens, params
+            )
         return TokenOutput(
             token_ids=tokens,
             log_probs=log_probs if params.get("logprobs") else None,
+            routed_experts=None if routed is None else routed.numpy(),
             stop_reason=stop,
             extra_fields={"global_steps": self.global_steps},
         )

@@ -141,7 +141,7 @@ def per_sample_routes(seq_major: torch.Tensor, lengths: torch.Tensor) -> torch.T
 
 
 def _replay_on_padded_batches(transformer_impl) -> None:
-    """verl's R2 record/replay with the layout of a padded (bshd) forward.
+    """verl's R2 record/replay (and R3 replay) with the layout of a padded (bshd) forward.
 
     verl 0.9.1 packs the recorded and replayed routes as packed (THD) sequences
     (``verl/utils/megatron/router_replay_utils.py``: ``merge_router_topk_indices`` unpacks what the routers recorded
@@ -165,9 +165,17 @@ def _replay_on_padded_batches(transformer_impl) -> None:
 
     @functools.wraps(replay_original)
     def set_router_replay_data(layers_topk_idx, attention_mask, *args, replay_mask=None, **kwargs):
-        if not layers_topk_idx.is_nested or replay_mask is not None:
+        if not layers_topk_idx.is_nested:
             return replay_original(layers_topk_idx, attention_mask, *args, replay_mask=replay_mask, **kwargs)
         rows, valid = seq_major_routes(layers_topk_idx)
+        if replay_mask is not None:  # R3: the rows verl replays (all but each sample's last), same layout
+            replayed, replayed_valid = seq_major_routes(replay_mask)
+            if replayed.shape != valid.shape or not torch.equal(replayed_valid, valid):
+                raise ValueError(
+                    f"router replay on a padded batch: replay mask of {replayed.shape[0]} rows does not match the "
+                    f"routes' {valid.shape[0]}"
+                )
+            valid = valid & replayed.bool()
         one_sample = torch.nested.as_nested_tensor([rows], layout=torch.jagged)
         mask = torch.nested.as_nested_tensor([valid], layout=torch.jagged)
         return replay_original(one_sample, attention_mask, *args, replay_mask=mask, **kwargs)
