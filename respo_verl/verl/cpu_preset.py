@@ -85,6 +85,10 @@ MEGATRON_CPU_SETTINGS = {
     "override_transformer_config.attention_backend": ("local", "flash and Transformer Engine attention need CUDA"),
     "override_transformer_config.moe_grouped_gemm": (False, "grouped GEMMs need Transformer Engine"),
     "override_transformer_config.gradient_accumulation_fusion": (False, "a CUDA extension"),
+    "pad_bshd_to_minibatch_max": (
+        False,
+        "routing replay on a padded batch lays routes out for each micro-batch's own longest sample",
+    ),
 }
 
 

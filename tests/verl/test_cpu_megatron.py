@@ -302,8 +302,11 @@ def test_r2_replays_the_live_routes_exactly_on_the_first_mini_batch_of_a_rollout
 
 @pytest.mark.slow
 def test_r3_replays_the_rollouts_routes_in_the_old_log_prob_pass_and_every_update(tmp_path, moe_kit):
-    """N = 2: the hf_cpu server records its routes, verl aligns them and every Megatron forward replays them."""
-    data = _megatron_run(tmp_path, reuse=2, steps=2, job=R3_JOB)
+    """N = 4: the hf_cpu server records its routes, verl aligns them and every Megatron forward replays them.
+
+    32 answers per rollout batch make 4 micro-batches of 8 in the old-log-prob pass, padded to different lengths.
+    """
+    data = _megatron_run(tmp_path, reuse=4, steps=2, job=R3_JOB)
     for step in data:
         # π_old's Megatron router, fed the rollout's weights, chooses what the rollout's HF router chose: recording,
         # alignment and the padded layout are right (a shifted or misplaced route would flip most tokens).
