@@ -115,8 +115,13 @@ def test_warm_start_is_deterministic_and_cached(tmp_path):
         assert torch.equal(p, q) and torch.equal(p, r)
 
 
-def test_schedule_applies_n_sequential_updates_with_fixed_pi_old(base_model, tmp_path):
+def test_schedule_applies_n_sequential_updates_with_fixed_pi_old(base_model, tmp_path, monkeypatch):
     reuse, prompts, group = 4, 4, 4
+    # The tiny base model answers nothing right; a verifier that rewards the first answer of every group gives every
+    # mini-batch non-zero advantages, so every update moves the policy (the test is about the schedule, not the task).
+    monkeypatch.setattr(
+        task, "verify", lambda response, answer: torch.where(torch.arange(len(answer)) % group == 0, 1.0, -1.0)
+    )
     events: list[UpdateEvent] = []
     cfg = RunConfig("vespo", reuse=reuse, seed=3, optimizer_steps=2 * reuse, rollout_prompts=prompts, group_size=group)
     train(cfg, base_model, tmp_path, on_update=events.append)
@@ -281,6 +286,20 @@ def test_regime_counts_by_hand():
     assert check.positives == 4 and check.starved_share == 1.0 and check.tokens_outside_band == 0.05
     assert check.median_single_token_share == pytest.approx(0.55)
     assert not check.holds and "NOT in the regime" in check.line()
+
+
+def test_warm_start_weights_only_the_arithmetic_tokens():
+    """The warm start's loss weights the digit copies, the running sums and a worked answer's final answer."""
+    warm = model_lib.WarmStart(batch_size=32, arith_weight=3.0)
+    batch, weight = model_lib._sft_batch(warm, torch.Generator().manual_seed(0))
+    assert weight.shape == batch.response.shape
+    for row, w, mask in zip(batch.response.tolist(), weight.tolist(), batch.response_mask.tolist()):
+        n = sum(mask)
+        worked = row[n - 3] == task.ANS and task.completed_steps(torch.tensor([row]))[0] == task.N_DIGITS
+        for t in range(n):
+            in_step = row[0] == task.THINK and 1 <= t < n - 3 and (t - 1) % task.STEP_LEN >= task.FILLERS_PER_STEP
+            arithmetic = in_step or (worked and t == n - 2)
+            assert w[t] == (3.0 if arithmetic else 1.0), (task.detokenize(row[:n]), t)
 
 
 def test_warm_start_reports_progress(tmp_path):
