@@ -52,8 +52,8 @@ class WarmStart:
     """The supervised warm start that makes the base model.
 
     Attributes:
-        steps: optimizer steps; enough that the base model has learnt both answer formats and mostly adds correctly,
-            few enough that its running sums still slip now and then.
+        steps: optimizer steps; enough that the base model has learnt both answer formats and that its arithmetic is
+            near-certain when sampled at temperature 1 (docs/mini.md).
         batch_size: examples per step.
         lr: peak AdamW learning rate (linear warm-up over the first 5 % of the steps, then linear decay to 0: a
             constant rate of this size lets the tiny model diverge late in the warm start).
@@ -161,7 +161,7 @@ def warm_start(
     cache_dir: Path | None = DEFAULT_CACHE_DIR,
     on_step: Callable[[int], None] | None = None,
 ) -> tuple[torch.nn.Module, str]:
-    """The base model: loaded from the cache, or trained (tens of seconds) and cached.
+    """The base model: loaded from the cache, or trained (minutes) and cached.
 
     Args:
         spec, warm: what determines the model.

@@ -13,8 +13,8 @@ else is −1. The warm start (``model.py``) teaches two ways of answering:
   guessed before the work is done. This is the main failure, and it is short, so correct answers are longer than
   wrong ones.
 
-The base model answers prematurely in most of its responses and its running sums are not perfect, so it succeeds in
-a minority of them; RL has to learn to finish the work and to add correctly.
+The base model answers prematurely in most of its responses and its arithmetic is near-certain, so it succeeds in a
+minority of them (about the worked ones); RL has mainly to learn to finish the work.
 """
 
 from __future__ import annotations
