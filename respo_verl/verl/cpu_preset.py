@@ -64,6 +64,14 @@ def check_cpu_job(cfg: Any) -> None:
             f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}={modules!r} must name {CPU_MODULE} (and the "
             f"plugin) with {PRESET}: this value replaces the shell's in every Ray process"
         )
+    slots = _select(cfg, "ray_kwargs.ray_init.num_gpus")
+    workers = int(_select(cfg, "trainer.n_gpus_per_node", 1)) * int(_select(cfg, "trainer.nnodes", 1))
+    if slots is not None and workers > int(slots):
+        raise CPUJobError(
+            f"trainer.n_gpus_per_node x trainer.nnodes = {workers} worker processes, but "
+            f"ray_kwargs.ray_init.num_gpus={slots}: on CPU each worker takes one of these (fake) GPU slots; set "
+            f"ray_kwargs.ray_init.num_gpus={workers}"
+        )
     strategies = {_select(cfg, f"actor_rollout_ref.{r}.strategy") for r in ("actor", "ref")}
     if _select(cfg, "model_engine") == "megatron" or "megatron" in strategies:
         _check_megatron_cpu_job(cfg, strategies)

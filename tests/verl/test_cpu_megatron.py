@@ -281,10 +281,23 @@ def _megatron_run(tmp_path, reuse: int, steps: int, job: list[str] = MEGATRON_JO
     return data
 
 
+# Two worker processes with expert parallel 2 on gloo: each holds 2 of the 4 experts, tokens travel between them by
+# megatron's all-to-all dispatcher, and the rollout gets the experts gathered back by mbridge's export.
+EXPERT_PARALLEL_2 = [
+    "trainer.n_gpus_per_node=2",
+    "ray_kwargs.ray_init.num_gpus=2",
+    *(f"actor_rollout_ref.{role}.megatron.expert_model_parallel_size=2" for role in ("actor", "ref")),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    *(f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu=4" for role in ("ref", "rollout")),
+]
+
+
 @pytest.mark.slow
 def test_megatron_engine_trains_respo_with_r2_replay_and_reports_route_drift(tmp_path, moe_kit):
-    """N = 4: updates 2..4 of a rollout batch replay π_old's routes while π_θ's router has moved."""
-    data = _megatron_run(tmp_path, reuse=4, steps=4)
+    """N = 4, two processes with expert parallel 2: updates 2..4 of a rollout batch replay π_old's routes while
+    π_θ's router has moved; the rollout/actor log-prob gap shows the experts gathered back for the rollout are right.
+    """
+    data = _megatron_run(tmp_path, reuse=4, steps=2, job=[*MEGATRON_JOB, *EXPERT_PARALLEL_2])
     flips = [step["actor/routing/flip_frac"] for step in data]  # per step: the mean over its 4 mini-batches
     assert all(0.0 <= f <= 1.0 for f in flips) and sum(flips) > 0, flips
     assert all(step["actor/routing/prob_mass_delta"] <= 0.0 for step in data)  # native top-k holds the most mass
@@ -365,3 +378,19 @@ def test_cpu_gradient_clipping_scales_like_megatrons_and_refuses_non_fp32_gradie
     params.append(half)
     with pytest.raises(TypeError, match="expects fp32 gradients"):
         _clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=5.0)
+
+
+def test_all_to_all_split_sizes_leave_the_dispatcher_as_numpy_on_cpu_as_on_a_gpu():
+    """Expert parallelism > 1: torch's all_to_all_single takes numpy size lists, not CPU tensors."""
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from respo_verl.megatron.patches.megatron_core_0_16_1_cpu import _host_copy
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    assert torch.is_tensor(original(torch.tensor([61, 59]), as_numpy=True))  # what megatron-core does on a CPU
+    host = _host_copy(original)
+    splits = host(torch.tensor([61, 59]), as_numpy=True)
+    assert isinstance(splits, np.ndarray) and splits.tolist() == [61, 59]
+    counts = torch.tensor([3, 4])
+    assert host(counts) is counts  # not asked for numpy: unchanged, as megatron-core leaves it

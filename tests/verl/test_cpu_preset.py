@@ -60,6 +60,10 @@ def test_preset_composes_and_passes_verls_validation(entry, algorithm):
             "must name respo_verl.verl.cpu",
         ),
         (["+device=cpu", "trainer.device=cuda"], "runs on the CPU only"),
+        (
+            ["+device=cpu", "trainer.n_gpus_per_node=2"],
+            "= 2 worker processes, but ray_kwargs.ray_init.num_gpus=1",
+        ),
     ],
 )
 def test_jobs_the_cpu_path_cannot_run_are_refused(overrides, message):

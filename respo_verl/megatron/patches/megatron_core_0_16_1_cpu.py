@@ -19,6 +19,10 @@ the originals back:
   ``device='cuda'`` written out: their module-level name ``torch`` becomes a view of torch whose tensor factories
   (``tensor``, ``zeros``, ``ones``, ``empty``, ``full``) put ``device='cuda'`` tensors on the CPU (everything else is
   torch itself);
+- ``maybe_move_tensor_to_cpu`` as the MoE token dispatchers use it: on a GPU it brings the all-to-all split sizes to
+  the host as numpy arrays, which ``torch.distributed.all_to_all_single`` takes as its size lists; tensors already on
+  the CPU were returned unchanged, and ``all_to_all_single`` rejects a tensor there (expert parallelism > 1). The CPU
+  version returns them as numpy arrays too;
 - ``clip_grad_by_total_norm_fp32`` as the optimizer module uses it: megatron-core's asserts
   ``param.grad.type() == 'torch.cuda.FloatTensor'`` before it scales the gradients; the CPU version checks for fp32
   gradients instead and scales them by the same ``max_norm / (total_norm + 1e-6)`` when that is below 1 (the norm
@@ -129,6 +133,19 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _host_copy(original):
+    """megatron-core's ``maybe_move_tensor_to_cpu``, which also hands CPU tensors back as numpy when asked to."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        import torch
+
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
 def is_applied() -> bool:
     return bool(_saved)
 
@@ -163,6 +180,9 @@ def apply() -> None:
     from megatron.core.optimizer import optimizer as megatron_optimizer
 
     _replace(megatron_optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _replace(token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy(token_dispatcher.maybe_move_tensor_to_cpu))
     cpu_torch = _CPUTorch(torch)
     for module_name in _CUDA_LITERAL_MODULES:
         _replace(importlib.import_module(module_name), "torch", cpu_torch)
