@@ -44,8 +44,10 @@ def check_cpu_job(cfg: Any) -> None:
     - ``trainer.device=cpu`` without the preset (verl would look for CUDA, NCCL and vLLM);
     - the preset without ``VERL_USE_EXTERNAL_MODULES`` naming the CPU module in Ray's runtime env (workers would not
       load it: the runtime env replaces the shell's value);
-    - ``model_engine=megatron`` without the Megatron CPU preset, that preset with another engine, or a Megatron
-      setting that megatron-core cannot run on CPU (see :data:`MEGATRON_CPU_SETTINGS`);
+    - more worker processes (``trainer.n_gpus_per_node`` x ``trainer.nnodes``) than Ray's fake GPU slots;
+    - ``model_engine=megatron`` without the Megatron CPU preset, that preset with another engine, a Megatron
+      setting that megatron-core cannot run on CPU (see :data:`MEGATRON_CPU_SETTINGS`), or Transformer Engine's
+      attention switches (:data:`TE_ATTENTION_ENV`) left on;
     - an attention implementation (FSDP engine) or a head size that the CPU path cannot run.
     """
     device = _select(cfg, "trainer.device")
