@@ -29,7 +29,7 @@ from respo_verl.core.diagnostics import diagnostic_keys
 from respo_verl.core.kernels import sequence_log_weight
 from respo_verl.core.losses import KernelTerms
 from respo_verl.mini import regime, task
-from respo_verl.mini.rollout import Rollout, response_log_prob, sample
+from respo_verl.mini.rollout import Rollout, response_log_prob, response_log_prob_no_grad, sample
 from respo_verl.routing.hf import RoutingReplay
 from respo_verl.verl import experiment
 
@@ -276,7 +276,7 @@ def collect(state: _RunState, training_step: int) -> RolloutBatch:
     routes = None
     with torch.no_grad():
         if state.replay is None:
-            old_log_prob = response_log_prob(model, rollout)  # (B, T)
+            old_log_prob = response_log_prob_no_grad(model, rollout)  # (B, T)
         else:
             with state.replay.record() as flat_routes:  # R2: record the π_old forward's experts
                 old_log_prob = response_log_prob(model, rollout)  # (B, T)
