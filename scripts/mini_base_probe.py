@@ -1,16 +1,16 @@
 """Measure a `respo-verl mini` base model at temperature 1: how certain its arithmetic is when it samples.
 
 For a rollout batch (128 prompts × 8 answers, as an RL run's first batch) it prints the success, the shares of
-worked and premature answers, the mean lengths of correct and wrong answers, and per step i = 1..8 of the worked
-steps the model sampled:
+worked, given-up and premature answers, the mean lengths of correct and wrong answers, and per step i = 1..K of the
+worked steps the model sampled:
 
 - sampled accuracy of the digit copy and of the running sum, each given the model's own prefix (the running sum is
   right when it equals the previous *written* sum plus the written digit);
 - the model's mean probability of the right token there, and the share of those positions where it is below 0.99.
 
 Usage: python scripts/mini_base_probe.py [--steps S] [--arith-weight W] [--seed 0] [--sample-seed 1000003]
-(the other warm-start settings are the defaults of ``respo_verl.mini.model.WarmStart``; the base model comes from
-the cache, or is trained and cached).
+(the other warm-start settings are the defaults of ``respo_verl.mini.model.WarmStart``; the base model is the
+package's, or comes from the cache, or is trained and cached).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ import torch
 from respo_verl.mini import model as model_lib
 from respo_verl.mini import task
 from respo_verl.mini.rollout import Rollout, response_log_prob, sample
+
+# The data's fillers (task.filler_sequence): 1/16 for each filler, plus 1/6 for each of the three successors.
+_P = torch.tensor([1 / 16 + 1 / 6] * 3 + [1 / 16] * 5)
+FILLER_ENTROPY = float(-(_P * _P.log()).sum())
 
 
 def main() -> None:
@@ -55,7 +59,8 @@ def main() -> None:
     correct = reward > 0
     print(
         f"success {correct.float().mean():.1%}, worked to the end {(steps == task.N_DIGITS).float().mean():.1%}, "
-        f"of those correct {correct[steps == task.N_DIGITS].float().mean():.1%}, direct guesses "
+        f"of those correct {correct[steps == task.N_DIGITS].float().mean():.1%}, given up (`? <eos>`) "
+        f"{(rollout.response[:, 0] == task.GIVE_UP).float().mean():.1%}, direct guesses "
         f"{(rollout.response[:, 0] == task.ANS).float().mean():.1%}"
     )
     print(f"mean length correct / wrong: {lengths[correct].mean():.1f} / {lengths[~correct].mean():.1f}")
@@ -97,7 +102,7 @@ def main() -> None:
             f"{acc_s:.3f} {ps.mean():.4f} {(ps < 0.99).float().mean():.3f}"
         )
     filler = (rollout.response >= task.FILLER_BASE) & (rollout.response < task.NUM_BASE) & rollout.response_mask
-    print(f"filler tokens: mean log p {logits_lp[filler].mean():.3f} (uniform: {-torch.log(torch.tensor(8.0)):.3f})")
+    print(f"filler tokens: mean log p {logits_lp[filler].mean():.3f} (the data's: {-FILLER_ENTROPY:.3f})")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ tokens, of their tokens outside [0.8, 1.25], of their most negative tokens, and 
 Σ max(−δ, 0). Positives are well-formed (they end with ``# S <eos>``), so a token's kind follows from its position
 and the answer's length. Prints the run's regime line too.
 
-Usage: python scripts/mini_drift_probe.py [--lr 1e-4] [--reuse 32] [--steps 128] [--seed 0]
+Usage: python scripts/mini_drift_probe.py [--lr 1e-4] [--reuse 32] [--steps 128] [--seed 0] [--warm-seed 0]
+[--algo respo]
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ def main() -> None:
     parser.add_argument("--reuse", type=int, default=32)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-seed", type=int, default=0)
+    parser.add_argument("--algo", default="respo")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    base, origin = model_lib.warm_start(model_lib.ModelSpec(), model_lib.WarmStart())
+    base, origin = model_lib.warm_start(model_lib.ModelSpec(), model_lib.WarmStart(seed=args.warm_seed))
     print(f"base model: {origin}")
     tokens, outside, most_negative, drift, lengths = Counter(), Counter(), Counter(), Counter(), Counter()
-    pending = []
+    pending, positive_sums, shares_by_kind = [], [], {}
     real = regime.update_counts
     lo, hi = math.log(regime.RATIO_BAND[0]), math.log(regime.RATIO_BAND[1])
 
@@ -62,11 +65,17 @@ def main() -> None:
         delta = torch.where(mask, log_prob - old_log_prob, 0.0)  # (b, T)
         n_tok = mask.sum(dim=1)
         adv = torch.where(mask, advantages, 0.0).sum(dim=1) / n_tok.clamp(min=1)
+        for i in torch.nonzero(adv > 0).flatten().tolist():
+            n = int(n_tok[i])
+            is_filler = torch.tensor([kind(t, n) == KINDS[0] for t in range(n)])
+            positive_sums.append((float(delta[i, :n][is_filler].sum()), float(delta[i, :n][~is_filler].sum())))
         for i in torch.nonzero((adv > 0) & (delta.sum(dim=1) < regime.STARVED_LOG_W)).flatten().tolist():
             n = int(n_tok[i])
             lengths[n] += 1
             d = delta[i, :n].tolist()
-            most_negative[kind(min(range(n), key=d.__getitem__), n)] += 1
+            worst = min(range(n), key=d.__getitem__)
+            most_negative[kind(worst, n)] += 1
+            shares_by_kind.setdefault(kind(worst, n), []).append(-d[worst] / -sum(d))
             for t, x in enumerate(d):
                 k = kind(t, n)
                 tokens[k] += 1
@@ -75,7 +84,9 @@ def main() -> None:
 
     regime.update_counts = spy
     try:
-        cfg = RunConfig("respo", args.reuse, args.seed, args.steps, 4 * args.reuse, 8, args.lr)
+        cfg = RunConfig(
+            args.algo, args.reuse, args.seed, args.steps, 4 * args.reuse, 8, args.lr, warm_seed=args.warm_seed
+        )
         with tempfile.TemporaryDirectory() as tmp:
             result = train(cfg, base, tmp, on_update=on_update)
     finally:
@@ -89,6 +100,15 @@ def main() -> None:
     print(
         f"first rollout batch score {result.records[0]['data']['mini/score']:.1%}; last quarter correct/wrong length "
         f"{sum(correct) / len(correct):.1f} / {sum(wrong) / len(wrong):.1f}"
+    )
+    fill, rest = torch.tensor(positive_sums).T
+    q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
+    print(f"log W of the positives ({len(positive_sums)}), quantiles 5/25/50/75/95 %:")
+    for name, x in (("fillers", fill), ("other tokens", rest), ("all", fill + rest)):
+        print(f"  {name}: " + " ".join(f"{v:+.3f}" for v in torch.quantile(x, q).tolist()))
+    print(
+        "median single-token share by the kind of the most negative token: "
+        + ", ".join(f"{k} {torch.tensor(v).median():.2f} ({len(v)})" for k, v in shares_by_kind.items())
     )
     starved, direct = sum(most_negative.values()), lengths[3]
     print(f"starved positives counted: {starved}, of which direct guesses (3 tokens): {direct}")

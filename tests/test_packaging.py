@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,10 @@ def test_the_installed_wheel_composes_the_presets_with_both_entry_points(tmp_pat
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", TORCH_COMPILE_DISABLE="1", OMP_NUM_THREADS="1")
+
+    shipped = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if n.startswith("respo_verl/mini/base_models/")}
+    expected = {p.name for p in (ROOT / "respo_verl" / "mini" / "base_models").glob("*.pt")}
+    assert expected and shipped == expected, "the miniature's base models ship in the wheel"
 
     where = subprocess.run(
         [str(python), "-c", WHERE],

@@ -1,9 +1,10 @@
 """The tiny policy (a ``transformers`` Qwen3 or Qwen3-MoE built from a config) and its cached warm start.
 
 The "base model" of the experiment is the tiny model after a brief supervised warm start on a mixture of premature
-answers (a guess, straight away or after some of the steps) and correct worked answers (``task.py``). It is
-deterministic for a given specification, seed and machine, and cached under ``~/.cache/respo_verl/mini/<key>.pt``
-(key = hash of everything that determines it).
+answers (``? <eos>``: no work) and correct worked answers (``task.py``). It is deterministic for a given
+specification, seed and machine. The package ships the base models of the default recipe (:data:`SHIPPED_DIR`, both
+warm seeds), so every machine starts RL from the same weights; any other recipe is trained once and cached under
+``~/.cache/respo_verl/mini/<key>.pt`` (key = hash of everything that determines it).
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ from respo_verl.mini import task
 from respo_verl.mini.rollout import Rollout, response_log_prob
 
 DEFAULT_CACHE_DIR = Path(os.path.expanduser("~/.cache/respo_verl/mini"))
+# The base models of the default recipe (warm seeds 0 and 1), trained by `warm_start` on the project's machine and
+# shipped with the package, so that every machine starts RL from the same weights and no run pays for a warm start
+# (docs/mini.md, "Base models"). `respo-verl mini --train-base` trains them afresh instead.
+SHIPPED_DIR = Path(__file__).parent / "base_models"
 # Bumped whenever the task or the warm-start recipe changes, so that stale cached base models are not reused.
-WARM_START_VERSION = 3
+WARM_START_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -57,23 +62,26 @@ class WarmStart:
         batch_size: examples per step.
         lr: peak AdamW learning rate (linear warm-up over the first 5 % of the steps, then linear decay to 0: a
             constant rate of this size lets the tiny model diverge late in the warm start).
-        direct_share: share of direct guesses in the data.
-        abort_hazard: chance that a worked answer stops after each of its first K − 1 steps and guesses. With the
-            defaults a third of the data is fully worked, which aims the base model's success at 20–40 % once its
-            arithmetic is near-certain.
+        direct_share: share of premature answers ``? <eos>`` in the data; the rest is worked to the end (or,
+            with an abort hazard, guessed after some steps), which aims the base
+            model's success at 20–40 % once its arithmetic is near-certain (docs/mini.md).
+        abort_hazard: chance that a worked answer stops after each of its first K − 1 steps and guesses (0 by
+            default: RL that suppresses such a guess after a running sum also suppresses the final ``#`` after the
+            last one, and the positives then starve through that one token; docs/mini.md).
         arith_weight: weight in the loss of the arithmetic tokens of the data (digit copies, running sums, the final
-            answer of a worked answer); every other token weighs 1. The fillers' loss is irreducible noise (log 8
-            per token) and makes up three quarters of the tokens; weighting the arithmetic lets it become
-            near-certain when sampled at temperature 1, not only right under teacher forcing.
+            answer of a worked answer); every other token weighs 1. The fillers' loss is irreducible (about 1.88
+            nats a token) and they are nine tenths of a worked answer; weighting the arithmetic lets it become
+            near-certain when sampled at temperature 1, not only right under teacher forcing, and gives it the
+            margin to stay so under the RL updates.
         seed: initialisation and data seed (the experiment's warm-start seed).
     """
 
     steps: int = 2500
     batch_size: int = 64
     lr: float = 3e-3
-    direct_share: float = 0.5
-    abort_hazard: float = 0.05
-    arith_weight: float = 4.0
+    direct_share: float = 0.65
+    abort_hazard: float = 0.0
+    arith_weight: float = 16.0
     seed: int = 0
 
 
@@ -113,20 +121,37 @@ def build_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
     return model.float().eval()
 
 
-def cache_key(spec: ModelSpec, warm: WarmStart) -> str:
-    """Hash of everything that determines the base model."""
+def recipe_key(spec: ModelSpec, warm: WarmStart) -> str:
+    """Hash of the recipe of the base model: the model, the warm start and the task (not the machine)."""
     payload = json.dumps(
         {
             "spec": asdict(spec),
             "warm": asdict(warm),
             "version": WARM_START_VERSION,
             "vocab": task.VOCAB_SIZE,
-            "task": [task.N_DIGITS, task.MAX_DIGIT, task.FILLERS_PER_STEP, task.N_FILLERS],
-            "torch": torch.__version__.split("+")[0],
+            "task": [
+                task.N_DIGITS,
+                task.MAX_DIGIT,
+                task.FILLERS_PER_STEP,
+                task.N_FILLERS,
+                task.FREE_FILLER_SHARE,
+                task.FILLER_SUCCESSORS,
+            ],
         },
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def cache_key(spec: ModelSpec, warm: WarmStart) -> str:
+    """Hash of everything that determines a base model trained here: the recipe and the torch version."""
+    payload = json.dumps({"recipe": recipe_key(spec, warm), "torch": torch.__version__.split("+")[0]})
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def shipped_path(spec: ModelSpec, warm: WarmStart) -> Path:
+    """Where the package keeps the base model of this recipe, when it ships one (:data:`SHIPPED_DIR`)."""
+    return SHIPPED_DIR / f"{recipe_key(spec, warm)}.pt"
 
 
 def _sft_batch(warm: WarmStart, generator: torch.Generator) -> tuple[Rollout, torch.Tensor]:
@@ -142,7 +167,9 @@ def _sft_batch(warm: WarmStart, generator: torch.Generator) -> tuple[Rollout, to
     weight = torch.ones(warm.batch_size, task.MAX_RESPONSE_LEN)
     for i in range(warm.batch_size):
         digits, m = prompts.digits[i].tolist(), int(n_steps[i])
-        if m == task.N_DIGITS:
+        if bool(direct[i]):
+            row = task.give_up_answer()
+        elif m == task.N_DIGITS:
             row = task.worked_answer(digits, generator)
             weight[i, len(row) - 2] = warm.arith_weight  # the final answer copies the last running sum
         else:
@@ -160,18 +187,24 @@ def warm_start(
     warm: WarmStart,
     cache_dir: Path | None = DEFAULT_CACHE_DIR,
     on_step: Callable[[int], None] | None = None,
+    shipped: bool = True,
 ) -> tuple[torch.nn.Module, str]:
-    """The base model: loaded from the cache, or trained (minutes) and cached.
+    """The base model: the package's copy of it, or the cached one, or trained (minutes) and cached.
 
     Args:
         spec, warm: what determines the model.
         cache_dir: where trained base models are kept (None: neither read nor written).
-        on_step: called with the step after every warm-start step (progress bars); not called on a cache hit.
+        on_step: called with the step after every warm-start step (progress bars); not called when loading.
+        shipped: load the package's base model of this recipe when it has one (:func:`shipped_path`).
 
     Returns:
         ``(model, origin)``, origin a short note of where the weights came from (for the run's log).
     """
     model = build_model(spec, warm.seed)
+    if shipped and shipped_path(spec, warm).exists():
+        path = shipped_path(spec, warm)
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.eval(), f"shipped with the package ({path.name})"
     key = cache_key(spec, warm)
     path = None if cache_dir is None else Path(cache_dir) / f"{key}.pt"
     if path is not None and path.exists():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from respo_verl.mini import model as model_lib
-from respo_verl.mini import regime, task
+from respo_verl.mini import protocol, regime, task
 from respo_verl.mini.train import RunConfig, UpdateEvent, train
 from respo_verl.verl import experiment
 
@@ -73,7 +73,9 @@ def test_smoke_through_console_entry_point(tmp_path, capfd):
     records = read_manifest(out / "manifest.jsonl")
     assert {r.versions["torch"] for r in records} == {torch.__version__}
     for algo in ("respo", "grpo"):
-        lines = (out / "respo_verl_mini" / f"{algo}_n2_lr1e-04_w0_seed0.jsonl").read_bytes().splitlines()
+        lines = (
+            (out / "respo_verl_mini" / f"{algo}_n2_lr{protocol.QUICK_LR:.0e}_w0_seed0.jsonl").read_bytes().splitlines()
+        )
         assert len(lines) == 4  # one line per optimizer step
         steps = [orjson.loads(line)["step"] for line in lines]
         assert steps == [1, 2, 3, 4]
@@ -88,7 +90,7 @@ def test_two_workers_give_the_numbers_of_one(tmp_path):
     assert main([*argv, "--workers", "1", "--out", str(tmp_path / "one")]) == 0
     assert main([*argv, "--workers", "2", "--out", str(tmp_path / "two")]) == 0
     for algo in ("respo", "vespo"):
-        name = f"respo_verl_mini/{algo}_n2_lr1e-04_w0_seed0.jsonl"
+        name = f"respo_verl_mini/{algo}_n2_lr{protocol.QUICK_LR:.0e}_w0_seed0.jsonl"
         one = _without_timing([orjson.loads(x) for x in (tmp_path / "one" / name).read_bytes().splitlines()])
         two = _without_timing([orjson.loads(x) for x in (tmp_path / "two" / name).read_bytes().splitlines()])
         assert all(x["step"] == y["step"] and _same(x["data"], y["data"]) for x, y in zip(one, two))
@@ -241,26 +243,39 @@ def test_advantages_are_verls_grpo():
 
 def test_verifier_and_answer_lengths():
     gen = torch.Generator().manual_seed(0)
-    digits = [3, 4, 0, 2, 1, 4, 4, 2]
+    digits = [3, 4, 0]
     worked = task.worked_answer(digits, gen)
-    assert len(worked) == task.WORKED_LEN == 84
-    direct_right = [task.ANS, task.num(20), task.EOS]
-    premature_wrong = task.premature_answer(digits, 3, gen)
-    premature_wrong[-2] = task.num(19)
+    assert len(worked) == task.WORKED_LEN == 145
+    direct_right = [task.ANS, task.num(7), task.EOS]
+    premature_wrong = task.premature_answer(digits, 2, gen)
+    premature_wrong[-2] = task.num(6)
     no_eos = worked[:-1]
-    rows = [worked, direct_right, premature_wrong, no_eos, [task.EOS]]
+    rows = [worked, direct_right, premature_wrong, no_eos, [task.EOS], task.give_up_answer()]
     response = torch.full((len(rows), task.MAX_RESPONSE_LEN), task.PAD)
     for i, row in enumerate(rows):
         response[i, : len(row)] = torch.tensor(row)
     response[3, len(no_eos) :] = task.THINK  # keeps talking until the budget ends: truncated
-    reward = task.verify(response, torch.full((len(rows),), 20))
-    assert reward.tolist() == [1.0, 1.0, -1.0, -1.0, -1.0]
-    assert task.response_lengths(response).tolist() == [84, 3, 1 + 3 * task.STEP_LEN + 3, task.MAX_RESPONSE_LEN, 1]
-    assert task.completed_steps(response).tolist()[:3] == [task.N_DIGITS, 0, 3]
-    assert task.detokenize(direct_right) == "# 20 <eos>"
+    reward = task.verify(response, torch.full((len(rows),), 7))
+    assert reward.tolist() == [1.0, 1.0, -1.0, -1.0, -1.0, -1.0]
+    lengths = [145, 3, 1 + 2 * task.STEP_LEN + 3, task.MAX_RESPONSE_LEN, 1, 2]
+    assert task.response_lengths(response).tolist() == lengths
+    assert task.completed_steps(response).tolist() == [task.N_DIGITS, 0, 2, task.N_DIGITS, 0, 0]
+    assert task.detokenize(direct_right) == "# 7 <eos>"
     # Every step writes the digit it adds and the running sum.
-    sums = [worked[1 + i * task.STEP_LEN + task.FILLERS_PER_STEP + 1] - task.NUM_BASE for i in range(8)]
-    assert sums == [3, 7, 7, 9, 10, 14, 18, 20]
+    sums = [worked[1 + i * task.STEP_LEN + task.FILLERS_PER_STEP + 1] - task.NUM_BASE for i in range(3)]
+    assert sums == [3, 7, 7]
+
+
+def test_fillers_follow_the_previous_one_half_of_the_time():
+    """Half of the fillers are free, the others are the previous filler plus 1..3: every filler has probability
+    >= 1/16 given the previous one, and the successors of the rule carry 1/2 + 3/16 of the mass."""
+    fillers = task.filler_sequence(40_000, torch.Generator().manual_seed(0))
+    assert set(fillers) == set(range(task.N_FILLERS))
+    steps = [(b - a) % task.N_FILLERS for a, b in itertools.pairwise([0, *fillers])]
+    share = {k: steps.count(k) / len(steps) for k in range(task.N_FILLERS)}
+    for k in range(task.N_FILLERS):
+        expected = 1 / 16 + (1 / 6 if 1 <= k <= 3 else 0.0)
+        assert share[k] == pytest.approx(expected, abs=0.01), (k, share)
 
 
 def test_regime_counts_by_hand():
@@ -369,6 +384,38 @@ def test_routing_replay_through_the_console_entry_point(tmp_path, capsys):
     argv = ["mini", "--moe", "--routing-replay", "--algos", "vespo", "--reuse", "2", "--optimizer-steps", "2"]
     argv += ["--minibatch-prompts", "1", "--group-size", "4", "--warm-start-steps", "2", "--no-progress"]
     assert main([*argv, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")]) == 0
-    assert "vespo_n2_lr1e-04_w0_seed0_r2" in (tmp_path / "out" / "results.md").read_text()
-    lines = (tmp_path / "out" / "respo_verl_mini" / "vespo_n2_lr1e-04_w0_seed0_r2.jsonl").read_bytes().splitlines()
+    assert f"vespo_n2_lr{protocol.QUICK_LR:.0e}_w0_seed0_r2" in (tmp_path / "out" / "results.md").read_text()
+    lines = (
+        (tmp_path / "out" / "respo_verl_mini" / f"vespo_n2_lr{protocol.QUICK_LR:.0e}_w0_seed0_r2.jsonl")
+        .read_bytes()
+        .splitlines()
+    )
     assert "actor/routing/flip_frac" in orjson.loads(lines[0])["data"]
+
+
+def test_default_warm_start_data_gives_up_or_works_to_the_end():
+    """The default recipe's premature answers are ``? <eos>`` (always wrong, no token of a worked answer but
+    <eos>); every other answer is worked to the end and right."""
+    warm = model_lib.WarmStart(batch_size=256)
+    batch, _ = model_lib._sft_batch(warm, torch.Generator().manual_seed(0))
+    lengths = task.response_lengths(batch.response)
+    give_up = lengths == 2
+    assert all(row[:2] == task.give_up_answer() for row in batch.response[give_up].tolist())
+    assert set(lengths[~give_up].tolist()) == {task.WORKED_LEN}
+    assert float(give_up.float().mean()) == pytest.approx(warm.direct_share, abs=0.07)
+    reward = task.verify(batch.response, batch.prompts.answer)
+    assert reward.tolist() == torch.where(give_up, -1.0, 1.0).tolist()
+    assert task.detokenize(task.give_up_answer()) == "? <eos>"
+
+
+def test_old_log_prob_in_pieces_is_the_whole_batchs(base_model):
+    """π_old is recomputed in pieces of rows (faster on CPU); every number is the one-piece forward's."""
+    from respo_verl.mini.rollout import response_log_prob, response_log_prob_no_grad, sample
+
+    prompts = task.sample_prompts(24, torch.Generator().manual_seed(0)).repeat_interleave(4)
+    rollout = sample(base_model, prompts, task.MAX_RESPONSE_LEN, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = response_log_prob(base_model, rollout)
+    pieces = response_log_prob_no_grad(base_model, rollout, rows=7)
+    assert torch.equal(pieces[rollout.response_mask], whole[rollout.response_mask])
+    assert not pieces.requires_grad

@@ -1,0 +1,81 @@
+"""The regime checks at a fixed seed, from the base model the package ships.
+
+One ReSPO run at N = 32 and the quick learning rate, 4 prompts × 8 answers per mini-batch, REGIME_UPDATES updates
+(seed 0, warm seed 0, one torch thread), through ``respo_verl.mini.train.train``: verl's registered loss and
+advantage, the real sampler and verifier, the regime checks of ``respo_verl.mini.regime`` on the stale half of its
+rollout batches.
+
+The miniature is not in the paper's regime yet (docs/mini.md, "Regime checks"): starvation is reached (check 1), the
+per-token drift is just outside check 2 and one token still carries a third of a starved positive's log W (check 3).
+``test_starvation_is_reached`` holds what is reached; ``test_the_run_is_in_the_paper_regime`` is the goal, marked as
+an expected failure (strict), so that it fails as soon as the run reaches the regime and the docs are updated.
+Runs are exact per machine, so on another CPU the numbers move a little; the printed line shows the margins.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from respo_verl.mini import model as model_lib
+from respo_verl.mini import protocol, regime
+from respo_verl.mini.train import RunConfig, train
+
+REGIME_UPDATES = 128
+
+
+def test_the_default_recipe_ships_its_base_models():
+    """Both warm starts of the protocol are in the package, so no run (and no CI job) trains one."""
+    spec = model_lib.ModelSpec()
+    for w in range(protocol.N_WARM_STARTS):
+        path = model_lib.shipped_path(spec, model_lib.WarmStart(seed=w))
+        assert path.is_file(), f"warm seed {w}: {path} is missing; train it with `respo-verl mini --train-base`"
+        _, origin = model_lib.warm_start(spec, model_lib.WarmStart(seed=w), cache_dir=None)
+        assert origin.startswith("shipped"), origin
+
+
+def test_shipped_base_model_is_used_only_for_its_own_recipe(tmp_path):
+    """Another recipe (here fewer warm-start steps) trains its own base model, and ``shipped=False`` trains too."""
+    spec = model_lib.ModelSpec()
+    tiny = model_lib.WarmStart(steps=2, batch_size=8)
+    assert not model_lib.shipped_path(spec, tiny).exists()
+    _, origin = model_lib.warm_start(spec, tiny, cache_dir=None)
+    assert origin.startswith("trained"), origin
+    assert model_lib.recipe_key(spec, tiny) != model_lib.recipe_key(spec, model_lib.WarmStart())
+
+
+@pytest.fixture(scope="module")
+def regime_run(tmp_path_factory):
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    base, origin = model_lib.warm_start(model_lib.ModelSpec(), model_lib.WarmStart(seed=0), cache_dir=None)
+    assert origin.startswith("shipped"), origin
+    cfg = RunConfig(
+        "respo",
+        reuse=regime.REGIME_REUSE,
+        seed=0,
+        optimizer_steps=REGIME_UPDATES,
+        rollout_prompts=protocol.MINIBATCH_PROMPTS * regime.REGIME_REUSE,
+        group_size=protocol.GROUP_SIZE,
+        lr=protocol.QUICK_LR,
+    )
+    check = train(cfg, base, tmp_path_factory.mktemp("regime")).regime
+    print(check.line())
+    return check
+
+
+@pytest.mark.slow
+def test_starvation_is_reached(regime_run):
+    """Check 1 holds: at N = 32 at least 15 % of the stale positives have log W < −1 (measured 28.3 %). Check 2
+    (< 2 % of their tokens outside [0.8, 1.25]) belongs to the goal below; measured 2.14 %, and the 3 % here only
+    catches a drift that moved onto fewer tokens."""
+    check = regime_run
+    assert check.positives >= 500, check.line()
+    assert check.checks[next(iter(check.checks))], check.line()
+    assert check.tokens_outside_band < 0.03, check.line()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the miniature is not in the paper's regime yet (docs/mini.md)")
+def test_the_run_is_in_the_paper_regime(regime_run):
+    assert regime_run.holds, regime_run.line()
