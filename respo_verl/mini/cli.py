@@ -1,10 +1,11 @@
 """``respo-verl mini``: the paper's experiment in miniature on CPU (tiny Qwen3, rollout reuse N, long answers).
 
-Quick mode (default): the four algorithms at N = 32, one seed, 512 updates, at the protocol's quick learning rate
+Quick mode (default): the four algorithms at N = 32, one seed, 192 updates, at the protocol's quick learning rate
 (a smoke run with the regime checks, not a comparison). ``--full``: the learning-rate grid at N = 32 for every
-algorithm × 6 seeds (2 warm starts × 3 RL seeds), then N ∈ {8, 16} at the common learning rate chosen on the
-baselines (``respo_verl.mini.protocol``). Every run prints and logs the regime checks (``respo_verl.mini.regime``);
-the scores are ``respo-verl report``'s (late = last 128 updates).
+algorithm with one RL seed per warm start, then at the common learning rate chosen on the baselines ReSPO and VESPO
+with 6 seeds (2 warm starts × 3 RL seeds) at N = 32 and 2 seeds at N ∈ {8, 16} (``respo_verl.mini.protocol``). Every
+run prints and logs the regime checks (``respo_verl.mini.regime``); the scores are ``respo-verl report``'s (late =
+last 128 updates).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-steps",
         type=int,
         default=None,
-        help=f"updates per run (default {protocol.QUICK_OPTIMIZER_STEPS}; --full {protocol.OPTIMIZER_STEPS})",
+        help=f"updates per run (default {protocol.QUICK_OPTIMIZER_STEPS}; --full {protocol.FULL_OPTIMIZER_STEPS})",
     )
     parser.add_argument(
         "--minibatch-prompts", type=int, default=protocol.MINIBATCH_PROMPTS, help="prompts per mini-batch"
@@ -91,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="R2 routing replay with --moe: replay the π_old forward's experts in every update of the rollout batch",
     )
     parser.add_argument("--warm-start-steps", type=int, default=None, help="supervised warm-start steps")
+    parser.add_argument(
+        "--train-base",
+        action="store_true",
+        help="train the base model(s) here (then cached) instead of loading the ones shipped with the package",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output directory (default ./outputs/mini/<timestamp>)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="base-model cache (~/.cache/respo_verl/mini)")
     parser.add_argument(
@@ -122,7 +128,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.full and any(v is not None for v in (args.reuse, args.seeds, args.lr, args.optimizer_steps)):
         raise UsageError("--full runs the protocol's grid: it takes no --reuse, --seeds, --lr or --optimizer-steps")
     if args.optimizer_steps is None:
-        args.optimizer_steps = protocol.OPTIMIZER_STEPS if args.full else protocol.QUICK_OPTIMIZER_STEPS
+        args.optimizer_steps = protocol.FULL_OPTIMIZER_STEPS if args.full else protocol.QUICK_OPTIMIZER_STEPS
     args.reuse = sorted(args.reuse or (protocol.FULL_REUSE if args.full else protocol.QUICK_REUSE))
     args.seeds = list(args.seeds or (protocol.FULL_SEEDS if args.full else protocol.QUICK_SEEDS))
     args.lr = list(args.lr or (protocol.LR_GRID if args.full else (protocol.QUICK_LR,)))
@@ -192,6 +198,7 @@ class _Job:
     cache_dir: Path
     out: Path
     threads: int
+    shipped: bool
 
 
 def _quiet() -> None:
@@ -240,7 +247,7 @@ def _run_job(job: _Job, progress=None) -> dict:
     from respo_verl.mini import model as model_lib
     from respo_verl.mini.train import train
 
-    base, _ = model_lib.warm_start(job.spec, job.warm, job.cache_dir)
+    base, _ = model_lib.warm_start(job.spec, job.warm, job.cache_dir, shipped=job.shipped)
     pending = [0]
 
     def tick(step: int) -> None:
@@ -406,11 +413,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         for w, warm in warms.items():
             with tqdm(total=warm.steps, unit="step", disable=args.no_progress, file=sys.stderr) as bar:
                 bar.set_description(f"warm start {w}")
-                _, origin = model_lib.warm_start(spec, warm, cache_dir, on_step=lambda _: bar.update(1))
+                _, origin = model_lib.warm_start(
+                    spec, warm, cache_dir, on_step=lambda _: bar.update(1), shipped=not args.train_base
+                )
             print(f"base model {w} ({'Qwen3-MoE' if args.moe else 'Qwen3'}): {origin}", flush=True)
         _preload(args.algos)
 
-        def configs(reuses, lrs):
+        def configs(runs):
             return [
                 RunConfig(
                     algo,
@@ -423,23 +432,21 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                     warm_seed=protocol.warm_seed(seed),
                     routing_replay=args.routing_replay,
                 )
-                for n in reuses
-                for lr in lrs
-                for seed in args.seeds
-                for algo in args.algos
+                for algo, n, lr, seed in runs
             ]
 
         def execute(cfgs):
-            jobs = [_Job(c, spec, warms[c.warm_seed], cache_dir, out, args.threads) for c in cfgs]
+            jobs = [_Job(c, spec, warms[c.warm_seed], cache_dir, out, args.threads, not args.train_base) for c in cfgs]
             with tqdm(
                 total=sum(c.optimizer_steps for c in cfgs), unit="upd", disable=args.no_progress, file=sys.stderr
             ) as bar:
                 return list(zip(cfgs, _execute(jobs, args.workers, bar)))
 
         if args.full:
-            done = execute(configs([protocol.GRID_REUSE], args.lr))
+            done = execute(configs(protocol.grid_runs(args.algos)))
         else:
-            done = execute(configs(args.reuse, args.lr))
+            runs = [(a, n, lr, s) for n in args.reuse for lr in args.lr for s in args.seeds for a in args.algos]
+            done = execute(configs(runs))
         records = [(_record(c, r["log"], out, argv, versions), c) for c, r in done]
         views: dict[str, list] = {}
         chosen = ""
@@ -453,11 +460,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 + f"; common (chosen on {', '.join(protocol.BASELINES)}) {common:g}"
             )
             print(chosen, flush=True)
-            more = [n for n in args.reuse if n != protocol.GRID_REUSE]
-            done += execute(configs(more, [common]))
+            done += execute(configs(protocol.verdict_runs(args.algos, common)))
             records = [(_record(c, r["log"], out, argv, versions), c) for c, r in done]
             for lr in args.lr:
-                views[f"n{protocol.GRID_REUSE}_lr{lr:.0e}"] = [r for r, c in records if c.lr == lr]
+                views[f"n{protocol.GRID_REUSE}_lr{lr:.0e}"] = [
+                    r for r, c in records if c.lr == lr and c.reuse == protocol.GRID_REUSE
+                ]
             views["best_lr"] = [r for r, c in records if c.reuse == protocol.GRID_REUSE and c.lr == best[c.algorithm]]
             views["common_lr"] = [r for r, c in records if c.lr == common]
         elif len(args.lr) > 1:

@@ -1,14 +1,18 @@
 """The comparison protocol of ``respo-verl mini``, fixed before any comparison was run.
 
-- Every method runs the same learning-rate grid :data:`LR_GRID` at N = 32 (``--full``); the report shows each
-  method at its own best learning rate (late score at N = 32) and all methods at one common learning rate chosen on
-  the baselines only (:data:`BASELINES`: the mean of their late scores at N = 32), so ReSPO's own results never
-  pick the rate it is compared at. N ∈ {8, 16} run at the common rate only (the budget's cut).
-- Mini-batches of :data:`MINIBATCH_PROMPTS` prompts × G = 8 responses; 1024 optimizer updates per run (the paper's).
-- Seeds: :data:`FULL_SEEDS` RL seeds; run s starts from warm start ``s mod 2``, so two warm starts × three RL seeds.
-- Quick mode: all methods at N = 32, one seed, at :data:`QUICK_LR` (the grid's middle, fixed in advance), and
-  :data:`QUICK_OPTIMIZER_STEPS` updates so that it fits a few minutes on 2 cores; it is a smoke run with the regime
-  checks, not a comparison.
+- Learning rates: every method runs the grid :data:`LR_GRID` at N = 32 with :data:`GRID_SEEDS` (one RL seed per
+  warm start). The report shows each method at its own best learning rate (late score at N = 32) and all methods
+  at one common learning rate chosen on the baselines only (:data:`BASELINES`: the mean of their late scores at
+  N = 32), so ReSPO's own results never pick the rate it is compared at.
+- At the common rate, the verdict's pair :data:`VERDICT` (ReSPO and VESPO) is completed at N = 32 to
+  :data:`FULL_SEEDS` (two warm starts × three RL seeds) and runs N ∈ {8, 16} with :data:`GRID_SEEDS`; GRPO and GSPO
+  keep the grid's two seeds (the budget's cut, docs/mini.md "Budget").
+- Mini-batches of :data:`MINIBATCH_PROMPTS` prompts × G = 8 responses; :data:`FULL_OPTIMIZER_STEPS` updates per run
+  (the late window, the last 128, is its last four rollout batches at N = 32). The paper runs 1024; the miniature
+  learns its task within about a hundred, and 192 updates per run is what fits the 45-minute budget of ``--full``
+  on 2 cores.
+- Quick mode: all methods at N = 32, one seed, at :data:`QUICK_LR` (fixed in advance), :data:`QUICK_OPTIMIZER_STEPS`
+  updates: a smoke run with the regime checks, not a comparison.
 
 The late score is ``respo-verl report``'s: mean (reward + 1)/2 over the last 128 optimizer updates.
 """
@@ -18,17 +22,19 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-LR_GRID = (3e-5, 1e-4, 3e-4)
-QUICK_LR = 1e-4
+LR_GRID = (1e-4, 3e-4, 1e-3)
+QUICK_LR = 1e-3
 BASELINES = ("grpo", "gspo", "vespo")
 MINIBATCH_PROMPTS = 4
 GROUP_SIZE = 8
-OPTIMIZER_STEPS = 1024
-QUICK_OPTIMIZER_STEPS = 512
+VERDICT = ("respo", "vespo")
+FULL_OPTIMIZER_STEPS = 192
+QUICK_OPTIMIZER_STEPS = 192
 GRID_REUSE = 32
 FULL_REUSE = (8, 16, 32)
 QUICK_REUSE = (32,)
 N_WARM_STARTS = 2
+GRID_SEEDS = tuple(range(N_WARM_STARTS))
 FULL_SEEDS = tuple(range(3 * N_WARM_STARTS))
 QUICK_SEEDS = (0,)
 
@@ -58,3 +64,18 @@ def common_lr(late: Mapping[tuple[str, float], float], baselines: tuple[str, ...
     rates = sorted({lr for a, lr in late if a in present})
     complete = [lr for lr in rates if all((a, lr) in late for a in present)]
     return max(complete, key=lambda lr: (statistics.fmean(late[(a, lr)] for a in present), -lr))
+
+
+def grid_runs(algos: list[str]) -> list[tuple[str, int, float, int]]:
+    """The first stage of ``--full``: ``(algorithm, N, lr, seed)`` of the learning-rate grid at N = GRID_REUSE."""
+    return [(a, GRID_REUSE, lr, seed) for lr in LR_GRID for seed in GRID_SEEDS for a in algos]
+
+
+def verdict_runs(algos: list[str], common: float) -> list[tuple[str, int, float, int]]:
+    """The second stage of ``--full``, at the common rate: the :data:`VERDICT` pair completed to FULL_SEEDS at
+    N = GRID_REUSE, and at the other N of FULL_REUSE with GRID_SEEDS."""
+    pair = [a for a in algos if a in VERDICT]
+    more_seeds = [s for s in FULL_SEEDS if s not in GRID_SEEDS]
+    at_grid_reuse = [(a, GRID_REUSE, common, seed) for seed in more_seeds for a in pair]
+    other = [(a, n, common, seed) for n in FULL_REUSE if n != GRID_REUSE for seed in GRID_SEEDS for a in pair]
+    return at_grid_reuse + other
