@@ -2,10 +2,10 @@
 
 Quick mode (default): the four algorithms at N = 32, one seed, 192 updates, at the protocol's quick learning rate
 (a smoke run with the regime checks, not a comparison). ``--full``: the learning-rate grid at N = 32 for every
-algorithm with one RL seed per warm start, then at the common learning rate chosen on the baselines ReSPO and VESPO
-with 6 seeds (2 warm starts × 3 RL seeds) at N = 32 and 2 seeds at N ∈ {8, 16} (``respo_verl.mini.protocol``). Every
-run prints and logs the regime checks (``respo_verl.mini.regime``); the scores are ``respo-verl report``'s (late =
-last 128 updates).
+algorithm with one RL seed per warm start; then, at the common learning rate (chosen on the baselines only), ReSPO
+and VESPO with 6 seeds (2 warm starts × 3 RL seeds) at N = 32 and 2 seeds at N ∈ {8, 16}
+(``respo_verl.mini.protocol``). Every run prints and logs the regime checks (``respo_verl.mini.regime``); the scores
+are ``respo-verl report``'s (late = last 128 updates).
 """
 
 from __future__ import annotations

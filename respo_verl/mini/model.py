@@ -62,9 +62,9 @@ class WarmStart:
         batch_size: examples per step.
         lr: peak AdamW learning rate (linear warm-up over the first 5 % of the steps, then linear decay to 0: a
             constant rate of this size lets the tiny model diverge late in the warm start).
-        direct_share: share of premature answers ``? <eos>`` in the data; the rest is worked to the end (or,
-            with an abort hazard, guessed after some steps), which aims the base
-            model's success at 20–40 % once its arithmetic is near-certain (docs/mini.md).
+        direct_share: share of premature answers ``? <eos>`` in the data; the rest is worked to the end (or, with
+            an abort hazard, guessed after some steps), which aims the base model's success at 20–40 % once its
+            arithmetic is near-certain (docs/mini.md).
         abort_hazard: chance that a worked answer stops after each of its first K − 1 steps and guesses (0 by
             default: RL that suppresses such a guess after a running sum also suppresses the final ``#`` after the
             last one, and the positives then starve through that one token; docs/mini.md).
