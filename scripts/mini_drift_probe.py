@@ -1,6 +1,7 @@
 """Where the drift of log W sits in a `respo-verl mini` run: per token kind of the starved positives.
 
-Runs one configuration through ``respo_verl.mini.train.train`` from the default base model (shipped with the package) and, for the
+Runs one configuration through ``respo_verl.mini.train.train`` from the default base model (shipped with the
+package) and, for the
 starved positives (A > 0, log W < −1) of the stale half of every rollout batch (mini-batches j ≥ N/2, as the regime
 checks), counts per token kind (fillers, digit copies, running sums, ``:``, ``#``, ``S``, ``<eos>``): its share of their
 tokens, of their tokens outside [0.8, 1.25], of their most negative tokens, and of their negative drift
