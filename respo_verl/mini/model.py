@@ -182,6 +182,24 @@ def _sft_batch(warm: WarmStart, generator: torch.Generator) -> tuple[Rollout, to
     return Rollout(prompts, response, mask), weight
 
 
+def _weighted_log_prob(model: torch.nn.Module, batch: Rollout, weight: torch.Tensor) -> torch.Tensor:
+    """Σ weight · log π over the response tokens of ``batch``, one forward per response length.
+
+    The rows of a warm-start batch have a few lengths (``? <eos>`` and worked answers): each group is cut to its
+    own length, so the premature answers, two tokens and most of the rows, do not pay for a worked answer's
+    length. With causal attention and right padding, the tokens after a response never reach it, so this is the
+    loss of the whole padded batch (docs/mini.md, "Budget").
+    """
+    lengths = batch.response_mask.sum(dim=1)  # (N,)
+    total = torch.zeros(())
+    for n in lengths.unique().tolist():
+        rows = torch.nonzero(lengths == n).flatten()
+        group = batch.rows(rows)
+        group = Rollout(group.prompts, group.response[:, :n], group.response_mask[:, :n])
+        total = total + (response_log_prob(model, group) * weight[rows, :n]).sum()
+    return total
+
+
 def warm_start(
     spec: ModelSpec,
     warm: WarmStart,
@@ -219,8 +237,7 @@ def warm_start(
     model.train()
     for step in range(warm.steps):
         batch, weight = _sft_batch(warm, generator)
-        log_prob = response_log_prob(model, batch)  # (N, T)
-        loss = -(log_prob * weight * batch.response_mask).sum() / batch.response_mask.sum()
+        loss = -_weighted_log_prob(model, batch, weight) / batch.response_mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

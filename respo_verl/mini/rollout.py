@@ -23,7 +23,7 @@ class Rollout:
     response: torch.Tensor
     response_mask: torch.Tensor
 
-    def rows(self, index: slice) -> Rollout:
+    def rows(self, index: slice | torch.Tensor) -> Rollout:
         p = self.prompts
         prompts = Prompts(p.input_ids[index], p.attention_mask[index], p.digits[index], p.answer[index])
         return Rollout(prompts, self.response[index], self.response_mask[index])

@@ -419,3 +419,27 @@ def test_old_log_prob_in_pieces_is_the_whole_batchs(base_model):
     pieces = response_log_prob_no_grad(base_model, rollout, rows=7)
     assert torch.equal(pieces[rollout.response_mask], whole[rollout.response_mask])
     assert not pieces.requires_grad
+
+
+def test_warm_start_loss_by_length_is_the_padded_batchs():
+    """The warm start runs each response length of a batch in its own forward (the give-ups are two tokens): the
+    loss and its gradient are those of the whole right-padded batch (causal attention: padding never reaches a
+    response), up to float rounding."""
+    from respo_verl.mini.rollout import response_log_prob
+
+    warm = model_lib.WarmStart(batch_size=24, arith_weight=5.0, abort_hazard=0.3)
+    batch, weight = model_lib._sft_batch(warm, torch.Generator().manual_seed(0))
+    assert len(batch.response_mask.sum(dim=1).unique()) > 2, "the batch should hold several lengths"
+    model = model_lib.build_model(model_lib.ModelSpec(), 0).train()
+    grads = []
+    for loss_of in (
+        lambda: (response_log_prob(model, batch) * weight * batch.response_mask).sum(),
+        lambda: model_lib._weighted_log_prob(model, batch, weight),
+    ):
+        model.zero_grad(set_to_none=True)
+        loss = loss_of()
+        loss.backward()
+        grads.append((loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (padded, g_padded), (by_length, g_by_length) = grads
+    torch.testing.assert_close(by_length, padded, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(g_by_length, g_padded, rtol=1e-4, atol=1e-5)
