@@ -476,6 +476,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     write_manifest([r for r, _ in records], out)
     wall = time.perf_counter() - start
     regime_lines = [f"- {r['name']}: {r['regime_line']}" for _, r in done]
+    held = [r["name"] for _, r in done if r["holds"]]
+    regime_lines += [
+        "",
+        f"In the regime: {len(held)} of {len(done)} runs" + (f" ({', '.join(held)})" if held else "") + ". The "
+        'scores of a run outside it do not test the paper\'s claim (docs/mini.md, "Regime checks").',
+    ]
     task_lines = [
         f"- {r['name']}: score of the first rollout batch {100 * r['first_score']:.1f} %, last quarter: correct "
         f"answers {r['last_quarter_correct_length']:.0f} tokens, correct/wrong length "

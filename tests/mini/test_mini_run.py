@@ -6,6 +6,7 @@ Everything runs a tiny budget (a warm start of a few steps, a handful of updates
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import orjson
@@ -66,6 +67,8 @@ def test_smoke_through_console_entry_point(tmp_path, capfd):
     assert "warm start 0" in captured.err, "the warm start shows its progress"
     assert (out / "report" / "all" / "report.md").exists() and (out / "report" / "all" / "score_n2.png").exists()
     assert "Regime checks" in (out / "results.md").read_text()
+    held = sum(run["holds"] for run in json.loads((out / "summary.json").read_text())["runs"])  # json: NaN allowed
+    assert f"In the regime: {held} of 2 runs" in printed, "the summary counts the runs in the regime"
     machine = orjson.loads((out / "machine.json").read_bytes())
     assert machine["torch"] == torch.__version__ and machine["torch_threads"] == "1" and machine["cpu"]
     from respo_verl.runs.manifest import read_manifest
