@@ -188,7 +188,7 @@ def _weighted_log_prob(model: torch.nn.Module, batch: Rollout, weight: torch.Ten
     The rows of a warm-start batch have a few lengths (``? <eos>`` and worked answers): each group is cut to its
     own length, so the premature answers, two tokens and most of the rows, do not pay for a worked answer's
     length. With causal attention and right padding, the tokens after a response never reach it, so this is the
-    loss of the whole padded batch (docs/mini.md, "Budget").
+    loss of the whole padded batch (docs/mini.md, "Base models").
     """
     lengths = batch.response_mask.sum(dim=1)  # (N,)
     total = torch.zeros(())
