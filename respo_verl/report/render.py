@@ -47,6 +47,18 @@ def late_score_table(groups: list[GroupSummary]) -> str:
     return "\n".join(lines)
 
 
+
+def _short_run_note(runs: list[RunSummary]) -> str:
+    """The legend's caveat when some runs are no longer than the early window: their early score is their AUC."""
+    short = sum(len(r.curve) <= EARLY_WINDOW for r in runs)
+    if not short:
+        return ""
+    which = "All runs" if short == len(runs) else f"{short} of {len(runs)} runs"
+    return (
+        f" {which} have at most {EARLY_WINDOW} optimizer updates: for them the early window is the whole run, "
+        "so their early score is their AUC."
+    )
+
 def detail_table(groups: list[GroupSummary]) -> str:
     val_keys = sorted({k for g in groups for k in g.val})
     header = ["method", "N", "seeds", "late", "early", "AUC", "resp. length", "starved mass share", *val_keys]
@@ -89,7 +101,7 @@ def markdown_report(
         f"early: first {EARLY_WINDOW} optimizer updates; AUC: mean score over all optimizer updates; resp. length: "
         "mean response length over the run; starved mass share: share of the coefficient mass Σφ·|A|·tokens held by "
         "positive responses with log W < −1, mean over the run (logged by the respo/vespo losses); validation "
-        "columns: last logged value.",
+        "columns: last logged value." + _short_run_note(runs),
         "",
         detail_table(groups) if groups else "(none)",
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from respo_verl.cli import main as cli_main
 from respo_verl.report.analysis import summarise_groups, summarise_run
-from respo_verl.report.render import starved_mass_bands, starved_mass_figure
+from respo_verl.report.render import _short_run_note, starved_mass_bands, starved_mass_figure
 from respo_verl.runs.logs import read_log
 from respo_verl.runs.manifest import RunRecord, write_manifest
 
@@ -47,6 +48,7 @@ def test_per_update_logs_without_a_manifest_are_read_per_update(tmp_path):
     text = (out / "report.md").read_text()
     # 64 updates: late = all 64 (shorter than 128) = mean of 0 and 1 for both; early = first 64 as well.
     assert "| ReSPO | 50.00 ± 0.00 (n=2)<br>+0.00 pp" in text
+    assert "All runs have at most 256 optimizer updates: for them the early window is the whole run" in text
     log = read_log(tmp_path / "respo_verl_mini" / f"respo_n{N}_seed0.jsonl")
     summary = summarise_run(log, None)
     assert summary.log_step == "optimizer" and len(summary.curve) == UPDATES
@@ -131,3 +133,14 @@ def test_out_in_an_unwritable_place_is_one_line_and_exit_2(tmp_path, capsys):
     locked.mkdir(mode=0o500)
     assert cli_main(["report", str(folder), "--out", str(locked / "r")]) == 2
     assert "cannot write there" in capsys.readouterr().err
+
+
+def test_the_early_window_caveat_counts_the_short_runs_and_is_absent_without_them(tmp_path):
+    """The legend says which runs are no longer than the early window (their early score is their AUC)."""
+    short = summarise_run(read_log(per_update_log(tmp_path / "respo_n8_seed0.jsonl", early=-1.0, late=1.0)), None)
+    long = dataclasses.replace(short, name="respo_n8_seed1", curve=short.curve * 5)  # 320 updates
+    assert _short_run_note([short, long]) == (
+        " 1 of 2 runs have at most 256 optimizer updates: for them the early window is the whole run, so their "
+        "early score is their AUC."
+    )
+    assert _short_run_note([long]) == ""
