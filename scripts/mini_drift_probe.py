@@ -8,6 +8,11 @@ tokens, of their tokens outside [0.8, 1.25], of their most negative tokens, and 
 Σ max(−δ, 0). Positives are well-formed (they end with ``# S <eos>``), so a token's kind follows from its position
 and the answer's length. Prints the run's regime line too.
 
+For the starved positives whose most negative token is not a filler, it also prints that token's probability
+under μ, under π_θ just before the update of its own mini-batch (what the loss sees), and just after that update
+(a forward of the updated policy, without gradient): whether the token drifted away slowly or swings from one
+update to the next.
+
 Usage: python scripts/mini_drift_probe.py [--lr 1e-4] [--reuse 32] [--steps 128] [--seed 0] [--warm-seed 0]
 [--algo respo]
 """
@@ -23,6 +28,7 @@ import torch
 
 from respo_verl.mini import model as model_lib
 from respo_verl.mini import regime, task
+from respo_verl.mini.rollout import response_log_prob
 from respo_verl.mini.train import RunConfig, UpdateEvent, train
 
 KINDS = ("fillers", "digit copies", "running sums", ":", "#", "S", "<eos>")
@@ -52,6 +58,7 @@ def main() -> None:
     print(f"base model: {origin}")
     tokens, outside, most_negative, drift, lengths = Counter(), Counter(), Counter(), Counter(), Counter()
     pending, positive_sums, shares_by_kind = [], [], {}
+    own_update = []  # (kind, μ, π before its update, π after it) of the most negative non-filler tokens
     real = regime.update_counts
     lo, hi = math.log(regime.RATIO_BAND[0]), math.log(regime.RATIO_BAND[1])
 
@@ -70,6 +77,7 @@ def main() -> None:
             n = int(n_tok[i])
             is_filler = torch.tensor([kind(t, n) == KINDS[0] for t in range(n)])
             positive_sums.append((float(delta[i, :n][is_filler].sum()), float(delta[i, :n][~is_filler].sum())))
+        arithmetic = []  # (row, position) of the starved positives whose most negative token is not a filler
         for i in torch.nonzero((adv > 0) & (delta.sum(dim=1) < regime.STARVED_LOG_W)).flatten().tolist():
             n = int(n_tok[i])
             lengths[n] += 1
@@ -82,6 +90,18 @@ def main() -> None:
                 tokens[k] += 1
                 outside[k] += x < lo or x > hi
                 drift[k] += max(-x, 0.0)
+            if kind(worst, n) != KINDS[0]:
+                arithmetic.append((i, worst))
+        if arithmetic:
+            rows = torch.tensor([i for i, _ in arithmetic])
+            was_training = event.policy.training
+            event.policy.eval()
+            with torch.no_grad():
+                after = response_log_prob(event.policy, event.rollout.rows(rows))  # (k, T)
+            event.policy.train(was_training)
+            for r, (i, t) in enumerate(arithmetic):
+                probs = (old_log_prob[i, t].exp(), log_prob[i, t].exp(), after[r, t].exp())
+                own_update.append((kind(t, int(n_tok[i])), *(float(p) for p in probs)))
 
     regime.update_counts = spy
     try:
@@ -111,6 +131,13 @@ def main() -> None:
         "median single-token share by the kind of the most negative token: "
         + ", ".join(f"{k} {torch.tensor(v).median():.2f} ({len(v)})" for k, v in shares_by_kind.items())
     )
+    if own_update:
+        mu, before, after = (torch.tensor([x[j] for x in own_update]) for j in (1, 2, 3))
+        print(
+            f"most negative token not a filler ({len(own_update)}): median probability under mu {mu.median():.3f}, "
+            f"before its own update {before.median():.3f}, after it {after.median():.3f}; after it at least 0.5 in "
+            f"{int((after >= 0.5).sum())}, lower than before in {int((after < before).sum())}"
+        )
     starved, direct = sum(most_negative.values()), lengths[3]
     print(f"starved positives counted: {starved}, of which direct guesses (3 tokens): {direct}")
     print(

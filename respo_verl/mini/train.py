@@ -91,6 +91,8 @@ class UpdateEvent:
         log_prob: (b, T) π_θ of the mini-batch before this update.
         params_before: parameter checksum before the optimizer step.
         params_after: parameter checksum after it.
+        rollout: the mini-batch's rows of the rollout batch.
+        policy: the policy after this update (diagnostics may run a forward with it, without gradient).
     """
 
     training_step: int
@@ -100,6 +102,8 @@ class UpdateEvent:
     log_prob: torch.Tensor
     params_before: float
     params_after: float
+    rollout: Rollout
+    policy: torch.nn.Module
 
 
 @dataclass
@@ -326,7 +330,9 @@ def update(
     diag = starvation_diagnostics(log_prob, grad_log_prob, old_log_prob, advantages, mb_mask)
     counts, shares = regime.update_counts(log_prob, old_log_prob, advantages, mb_mask)
     if on_update is not None:
-        event = UpdateEvent(batch.training_step, j, batch.old_log_prob, rows, log_prob, before, _checksum(model))
+        event = UpdateEvent(
+            batch.training_step, j, batch.old_log_prob, rows, log_prob, before, _checksum(model), mb, model
+        )
         on_update(event)
     data = {
         "training/global_step": batch.training_step,

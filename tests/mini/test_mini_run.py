@@ -153,6 +153,32 @@ def test_schedule_applies_n_sequential_updates_with_fixed_pi_old(base_model, tmp
         assert not torch.allclose(last.log_prob, old[last.rows], atol=1e-5)
 
 
+def test_update_event_carries_the_updated_policy_and_a_forward_with_it_leaves_the_run_alone(base_model, tmp_path):
+    """Diagnostics (scripts/mini_drift_probe.py) run a forward of the policy after an update on its mini-batch: the
+    event's policy is the updated one, its rollout is the mini-batch's rows, and the run's numbers do not move."""
+    from respo_verl.mini.rollout import response_log_prob
+    from respo_verl.mini.train import _checksum
+
+    cfg = RunConfig("respo", reuse=2, seed=5, optimizer_steps=4, rollout_prompts=4, group_size=4)
+    plain = train(cfg, base_model, tmp_path / "plain")
+    seen = []
+
+    def forward(event: UpdateEvent) -> None:
+        assert _checksum(event.policy) == event.params_after
+        assert event.rollout.response.shape[0] == len(range(16)[event.rows])
+        assert torch.equal(event.rollout.prompts.input_ids[:, 1:-1] - task.NUM_BASE, event.rollout.prompts.digits)
+        was_training = event.policy.training
+        event.policy.eval()
+        with torch.no_grad():
+            seen.append(response_log_prob(event.policy, event.rollout))
+        event.policy.train(was_training)
+
+    probed = train(cfg, base_model, tmp_path / "probed", on_update=forward)
+    assert len(seen) == 4
+    a, b = _without_timing(plain.records), _without_timing(probed.records)
+    assert len(a) == len(b) and all(x["step"] == y["step"] and _same(x["data"], y["data"]) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize(
     ("algorithm", "loss_mode", "agg_mode"),
     [
