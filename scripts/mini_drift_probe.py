@@ -11,7 +11,7 @@ and the answer's length. Prints the run's regime line too.
 For the starved positives whose most negative token is not a filler, it also prints that token's probability
 under μ, under π_θ just before the update of its own mini-batch (what the loss sees), and just after that update
 (a forward of the updated policy, without gradient): whether the token drifted away slowly or swings from one
-update to the next.
+update to the next. Last, how far the run moved each weight matrix: ‖θ_end − θ_base‖ / ‖θ_base‖.
 
 Usage: python scripts/mini_drift_probe.py [--lr 1e-4] [--reuse 32] [--steps 128] [--seed 0] [--warm-seed 0]
 [--algo respo]
@@ -56,6 +56,8 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     base, origin = model_lib.warm_start(model_lib.ModelSpec(), model_lib.WarmStart(seed=args.warm_seed))
     print(f"base model: {origin}")
+    base_weights = {k: v.clone() for k, v in base.state_dict().items()}
+    policy = []  # the run's policy (the same module after every update)
     tokens, outside, most_negative, drift, lengths = Counter(), Counter(), Counter(), Counter(), Counter()
     pending, positive_sums, shares_by_kind = [], [], {}
     own_update = []  # (kind, μ, π before its update, π after it) of the most negative non-filler tokens
@@ -67,6 +69,7 @@ def main() -> None:
         return real(log_prob, old_log_prob, advantages, response_mask)
 
     def on_update(event: UpdateEvent) -> None:
+        policy[:] = [event.policy]
         log_prob, old_log_prob, advantages, mask = pending.pop()
         if event.minibatch < args.reuse // 2:
             return
@@ -138,6 +141,16 @@ def main() -> None:
             f"before its own update {before.median():.3f}, after it {after.median():.3f}; after it at least 0.5 in "
             f"{int((after >= 0.5).sum())}, lower than before in {int((after < before).sum())}"
         )
+    moved = {
+        k: float((v - base_weights[k]).norm() / base_weights[k].norm())
+        for k, v in policy[0].state_dict().items()
+        if v.dim() == 2
+    }
+    widest = max(moved, key=moved.get)
+    print(
+        f"weight matrices moved by {min(moved.values()):.1%} to {max(moved.values()):.1%} of their norm over the run "
+        f"(most: {widest})"
+    )
     starved, direct = sum(most_negative.values()), lengths[3]
     print(f"starved positives counted: {starved}, of which direct guesses (3 tokens): {direct}")
     print(
