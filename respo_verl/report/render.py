@@ -47,7 +47,6 @@ def late_score_table(groups: list[GroupSummary]) -> str:
     return "\n".join(lines)
 
 
-
 def _short_run_note(runs: list[RunSummary]) -> str:
     """The legend's caveat when some runs are no longer than the early window: their early score is their AUC."""
     short = sum(len(r.curve) <= EARLY_WINDOW for r in runs)
@@ -58,6 +57,7 @@ def _short_run_note(runs: list[RunSummary]) -> str:
         f" {which} have at most {EARLY_WINDOW} optimizer updates: for them the early window is the whole run, "
         "so their early score is their AUC."
     )
+
 
 def detail_table(groups: list[GroupSummary]) -> str:
     val_keys = sorted({k for g in groups for k in g.val})
