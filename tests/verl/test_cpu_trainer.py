@@ -91,6 +91,26 @@ def assert_weights_synced(lines: list[dict]) -> None:
     assert max(gaps) < SYNCED_LOG_PROB_GAP, f"rollout/actor log-prob gap per step: {gaps}"
 
 
+def assert_trains(lines: list[dict]) -> None:
+    """Every step with a non-zero advantage has a non-zero gradient, and some step has one.
+
+    A step whose prompts all got one reward (e.g. every answer wrong) has advantages 0 everywhere, and then the
+    gradient is exactly 0: that is right, not a failure. The rollout server's sampling is not reproducible from run to
+    run (it depends on how the agent loop interleaves requests), so such a step can occur in any run.
+    """
+    learning = []
+    for line in lines:
+        data = line["data"]
+        flat = data["critic/advantages/max"] == 0.0 and data["critic/advantages/min"] == 0.0
+        if flat:
+            assert data["actor/grad_norm"] == 0.0, f"step {line['step']}: zero advantages, grad norm {data}"
+        else:
+            assert data["actor/grad_norm"] > 0, f"step {line['step']}: non-zero advantages but no gradient"
+            learning.append(line["step"])
+        assert data["actor/loss"] == data["actor/loss"]  # finite, not NaN
+    assert learning, "no step had a non-zero advantage: the run never trained"
+
+
 def _log_w(lines: list[dict]) -> list[float]:
     return [abs(line["data"][f"actor/respo/{b}/log_w_mean"]) for line in lines for b in ("pos", "neg")]
 
@@ -105,8 +125,7 @@ def test_respo_with_our_entry_point_trains_with_rollout_reuse(kit, tmp_path):
     for line in lines:
         missing = [k for k in RESPO_KEYS if k not in line["data"]]
         assert not missing, f"step {line['step']} lacks {missing}"
-        assert line["data"]["actor/grad_norm"] > 0
-        assert line["data"]["actor/loss"] == line["data"]["actor/loss"]  # finite, not NaN
+    assert_trains(lines)
     assert_weights_synced(lines)
     # N = 4: mini-batches 2..4 of every rollout batch are off-policy, and ReSPO's metrics see it.
     assert max(_log_w(lines)) > STALE_LOG_W, _log_w(lines)
@@ -120,7 +139,7 @@ def test_vespo_with_verls_entry_point_and_legacy_trainer(kit, tmp_path):
     assert [line["step"] for line in lines] == list(range(1, steps + 1))
     for line in lines:
         assert any(k.startswith("actor/vespo/") for k in line["data"]), sorted(line["data"])
-        assert line["data"]["actor/grad_norm"] > 0
+    assert_trains(lines)
 
 
 def test_negative_controls_stale_server_weights_and_on_policy_log_w(kit, tmp_path):
