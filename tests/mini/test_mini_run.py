@@ -165,8 +165,9 @@ def test_update_event_carries_the_updated_policy_and_a_forward_with_it_leaves_th
 
     def forward(event: UpdateEvent) -> None:
         assert _checksum(event.policy) == event.params_after
-        assert event.rollout.response.shape[0] == len(range(16)[event.rows])
-        assert torch.equal(event.rollout.prompts.input_ids[:, 1:-1] - task.NUM_BASE, event.rollout.prompts.digits)
+        assert (
+            event.rollout.response.shape == event.log_prob.shape == (len(range(16)[event.rows]), task.MAX_RESPONSE_LEN)
+        )
         was_training = event.policy.training
         event.policy.eval()
         with torch.no_grad():

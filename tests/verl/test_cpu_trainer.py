@@ -103,7 +103,9 @@ def assert_trains(lines: list[dict]) -> None:
         data = line["data"]
         flat = data["critic/advantages/max"] == 0.0 and data["critic/advantages/min"] == 0.0
         if flat:
-            assert data["actor/grad_norm"] == 0.0, f"step {line['step']}: zero advantages, grad norm {data}"
+            assert data["actor/grad_norm"] == 0.0, (
+                f"step {line['step']}: zero advantages, grad norm {data['actor/grad_norm']}"
+            )
         else:
             assert data["actor/grad_norm"] > 0, f"step {line['step']}: non-zero advantages but no gradient"
             learning.append(line["step"])
