@@ -60,7 +60,7 @@ def main() -> None:
     policy = []  # the run's policy (the same module after every update)
     tokens, outside, most_negative, drift, lengths = Counter(), Counter(), Counter(), Counter(), Counter()
     pending, positive_sums, shares_by_kind = [], [], {}
-    own_update = []  # (kind, μ, π before its update, π after it) of the most negative non-filler tokens
+    own_update = []  # (μ, π before its update, π after it) of the most negative non-filler tokens
     real = regime.update_counts
     lo, hi = math.log(regime.RATIO_BAND[0]), math.log(regime.RATIO_BAND[1])
 
@@ -104,7 +104,7 @@ def main() -> None:
             event.policy.train(was_training)
             for r, (i, t) in enumerate(arithmetic):
                 probs = (old_log_prob[i, t].exp(), log_prob[i, t].exp(), after[r, t].exp())
-                own_update.append((kind(t, int(n_tok[i])), *(float(p) for p in probs)))
+                own_update.append(tuple(float(p) for p in probs))
 
     regime.update_counts = spy
     try:
@@ -135,7 +135,7 @@ def main() -> None:
         + ", ".join(f"{k} {torch.tensor(v).median():.2f} ({len(v)})" for k, v in shares_by_kind.items())
     )
     if own_update:
-        mu, before, after = (torch.tensor([x[j] for x in own_update]) for j in (1, 2, 3))
+        mu, before, after = torch.tensor(own_update).T
         print(
             f"most negative token not a filler ({len(own_update)}): median probability under mu {mu.median():.3f}, "
             f"before its own update {before.median():.3f}, after it {after.median():.3f}; after it at least 0.5 in "
