@@ -1,9 +1,9 @@
-"""One warm-start step of `respo-verl mini` on the right-padded batch and by response length, side by side.
+"""One warm-start step of `respo-verl mini` on the right-padded batch and in length buckets, side by side.
 
-Builds warm-start batches of the default recipe (``model._sft_batch``: about two thirds are ``? <eos>``, the rest
-worked answers) and times the loss and its backward both ways, alternating them ``--repeats`` times: the whole
-batch padded to the response budget, as the warm start used to run, and ``model._weighted_log_prob`` (one forward
-per response length). Prints each median time, the ratio and the largest difference of the losses.
+Builds warm-start batches of the default recipe (``model._sft_batch``: complete chains and chains broken off at
+every length) and times the loss and its backward both ways, alternating them ``--repeats`` times: the whole batch
+padded to the response budget, and ``model.log_likelihood`` (rows sorted by length into four forwards, each cut to
+its longest row). Prints each median time, the ratio and the largest difference of the losses.
 
 Usage: python scripts/bench_mini_warm_start.py [--repeats 5]
 """
@@ -29,28 +29,28 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     batches = [model_lib._sft_batch(model_lib.WarmStart(), gen) for _ in range(args.repeats)]
 
-    def padded(batch, weight):
-        return (response_log_prob(model, batch) * weight * batch.response_mask).sum()
+    def padded(batch):
+        return torch.where(batch.response_mask, response_log_prob(model, batch), 0.0).sum()
 
-    def by_length(batch, weight):
-        return model_lib._weighted_log_prob(model, batch, weight)
+    def bucketed(batch):
+        return model_lib.log_likelihood(model, batch)
 
-    times: dict[str, list[float]] = {"padded": [], "by length": []}
+    times: dict[str, list[float]] = {"padded": [], "in buckets": []}
     gap = 0.0
-    for batch, weight in batches:
+    for batch in batches:
         losses = []
-        for name, loss_of in (("padded", padded), ("by length", by_length)):
+        for name, loss_of in (("padded", padded), ("in buckets", bucketed)):
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            loss = loss_of(batch, weight)
+            loss = loss_of(batch)
             loss.backward()
             times[name].append(time.perf_counter() - t0)
             losses.append(loss.item())
         gap = max(gap, abs(losses[0] - losses[1]) / abs(losses[0]))
     base = statistics.median(times["padded"])
-    fast = statistics.median(times["by length"])
+    fast = statistics.median(times["in buckets"])
     print(f"padded batch: {base:.3f} s per step (median of {args.repeats})")
-    print(f"by response length: {fast:.3f} s per step, {base / fast:.2f}x faster; largest relative loss gap {gap:.1e}")
+    print(f"in length buckets: {fast:.3f} s per step, {base / fast:.2f}x faster; largest relative loss gap {gap:.1e}")
 
 
 if __name__ == "__main__":

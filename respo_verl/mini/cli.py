@@ -33,7 +33,8 @@ USAGE_ERROR = 2
 # Metrics `respo-verl report` tabulates for the miniature (mean over the run): clipped gradient norms, the task.
 REPORT_METRICS = (
     "mini/grad_clipped",
-    "mini/worked_frac",
+    "mini/gave_up_frac",
+    "mini/slipped_frac",
     "mini/response_length/correct_mean",
     "mini/response_length/wrong_mean",
 )
@@ -257,6 +258,8 @@ def _run_job(job: _Job, progress=None) -> dict:
             pending[0] = 0
 
     result = train(job.cfg, base, job.out, on_step=tick)
+    from respo_verl.mini import regime
+
     data = [r["data"] for r in result.records]
     quarter = data[-max(1, len(data) // 4) :]
     correct = [d["mini/response_length/correct_mean"] for d in quarter]
@@ -269,6 +272,8 @@ def _run_job(job: _Job, progress=None) -> dict:
         "regime": asdict(result.regime),
         "regime_line": result.regime.line(),
         "holds": result.regime.holds,
+        "stale_totals": regime.stale_totals(job.cfg.reuse, result.records),
+        "stale_shares": result.stale_single_token_shares,
         "first_score": data[0]["mini/score"],
         "last_quarter_length_ratio": (
             statistics.fmean(correct) / statistics.fmean(wrong) if correct and wrong else math.nan
@@ -347,6 +352,17 @@ def _record(cfg, log: str, out: Path, argv: list[str], versions: dict[str, str])
         source="mini",
         log_step="optimizer",
     )
+
+
+def grid_regime(done) -> dict:
+    """(algorithm, lr) → the regime checks of the grid runs at N = GRID_REUSE, pooled over their seeds."""
+    from respo_verl.mini import regime
+
+    runs = defaultdict(list)
+    for cfg, result in done:
+        if cfg.reuse == protocol.GRID_REUSE:
+            runs[(cfg.algorithm, cfg.lr)].append((result["stale_totals"], result["stale_shares"]))
+    return {key: regime.pool(protocol.GRID_REUSE, parts) for key, parts in runs.items()}
 
 
 def late_scores(records, out: Path) -> dict[tuple[str, float], float]:
@@ -453,15 +469,24 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if args.full:
             late = late_scores(records, out)
             best = {a: protocol.best_lr(late, a) for a in args.algos}
-            common = protocol.common_lr(late)
+            checks = grid_regime(done)
+            in_regime = protocol.regime_rates(checks)
+            common = protocol.common_lr(late, eligible=in_regime or None)
             chosen = (
                 f"learning rates (late score at N = {protocol.GRID_REUSE}): best per method "
                 + ", ".join(f"{a} {lr:g}" for a, lr in best.items())
-                + f"; common (chosen on {', '.join(protocol.BASELINES)}) {common:g}"
+                + "; in the regime for every method (grid runs pooled per method): "
+                + (", ".join(f"{lr:g}" for lr in in_regime) or "none")
+                + f"; common (chosen on {', '.join(protocol.BASELINES)}"
+                + (" among the rates in the regime" if in_regime else ", no rate being in the regime")
+                + f") {common:g}"
             )
             print(chosen, flush=True)
             done += execute(configs(protocol.verdict_runs(args.algos, common)))
             records = [(_record(c, r["log"], out, argv, versions), c) for c, r in done]
+            pooled = grid_regime([(c, r) for c, r in done if c.lr == common])
+            chosen += f"\n\nThe runs at the common rate, N = {protocol.GRID_REUSE}, pooled over their seeds:\n\n"
+            chosen += "\n".join(f"- {a}: {pooled[(a, common)].line()}" for a in args.algos if (a, common) in pooled)
             for lr in args.lr:
                 views[f"n{protocol.GRID_REUSE}_lr{lr:.0e}"] = [
                     r for r, c in records if c.lr == lr and c.reuse == protocol.GRID_REUSE

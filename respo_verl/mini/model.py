@@ -1,7 +1,7 @@
 """The tiny policy (a ``transformers`` Qwen3 or Qwen3-MoE built from a config) and its cached warm start.
 
-The "base model" of the experiment is the tiny model after a brief supervised warm start on a mixture of premature
-answers (``? <eos>``: no work) and correct worked answers (``task.py``). It is deterministic for a given
+The "base model" of the experiment is the tiny model after a brief supervised warm start on a mixture of complete
+chains and chains that break off (``task.py``). It is deterministic for a given
 specification, seed and machine. The package ships the base models of the default recipe (:data:`SHIPPED_DIR`, both
 warm seeds), so every machine starts RL from the same weights; any other recipe is trained once and cached under
 ``~/.cache/respo_verl/mini/<key>.pt`` (key = hash of everything that determines it).
@@ -27,7 +27,7 @@ DEFAULT_CACHE_DIR = Path(os.path.expanduser("~/.cache/respo_verl/mini"))
 # (docs/mini.md, "Base models"). `respo-verl mini --train-base` trains them afresh instead.
 SHIPPED_DIR = Path(__file__).parent / "base_models"
 # Bumped whenever the task or the warm-start recipe changes, so that stale cached base models are not reused.
-WARM_START_VERSION = 7
+WARM_START_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -56,33 +56,37 @@ class ModelSpec:
 class WarmStart:
     """The supervised warm start that makes the base model.
 
+    Its data are complete chains and chains that break off (``task.broken_answer``): at every step a chain breaks
+    off with a per-step hazard, half of the time by giving up (``?``), half of the time by a slip (a word of another
+    step). The hazard is set so that ``base_success`` of the data is complete for a prompt of average difficulty,
+    and each prompt scales it by 2^(difficulty · (Σ digits − 6) / 3) (:func:`hazard`).
+
     Attributes:
-        steps: optimizer steps; enough that the base model has learnt both answer formats and that its arithmetic is
-            near-certain when sampled at temperature 1 (docs/mini.md).
+        steps: optimizer steps.
         batch_size: examples per step.
-        lr: peak AdamW learning rate (linear warm-up over the first 5 % of the steps, then linear decay to 0: a
-            constant rate of this size lets the tiny model diverge late in the warm start).
-        direct_share: share of premature answers ``? <eos>`` in the data; the rest is worked to the end (or, with
-            an abort hazard, guessed after some steps), which aims the base model's success at 20–40 % once its
-            arithmetic is near-certain (docs/mini.md).
-        abort_hazard: chance that a worked answer stops after each of its first K − 1 steps and guesses (0 by
-            default: RL that suppresses such a guess after a running sum also suppresses the final ``#`` after the
-            last one, and the positives then starve through that one token; docs/mini.md).
-        arith_weight: weight in the loss of the arithmetic tokens of the data (digit copies, running sums, the final
-            answer of a worked answer); every other token weighs 1. The fillers' loss is irreducible (about 1.88
-            nats a token) and they are nine tenths of a worked answer; weighting the arithmetic lets it become
-            near-certain when sampled at temperature 1, not only right under teacher forcing, and gives it the
-            margin to stay so under the RL updates.
+        lr: peak AdamW learning rate (linear warm-up over the first 5 % of the steps, then linear decay to 0).
+        base_success: share of complete chains in the data at average difficulty; aims the base model's success
+            at 20–40 % (docs/mini.md).
+        give_up_share: share of the broken chains that give up (the rest slip).
+        difficulty: how much the prompt's digit sum scales the hazard (0: every prompt alike).
         seed: initialisation and data seed (the experiment's warm-start seed).
     """
 
-    steps: int = 2500
+    steps: int = 3000
     batch_size: int = 64
     lr: float = 3e-3
-    direct_share: float = 0.65
-    abort_hazard: float = 0.0
-    arith_weight: float = 16.0
+    base_success: float = 0.3
+    give_up_share: float = 0.5
+    difficulty: float = 1.0
     seed: int = 0
+
+
+def hazard(digits: torch.Tensor, warm: WarmStart) -> torch.Tensor:
+    """(P,) per-step chance that a chain of the warm-start data breaks off, for prompts with these digits (P, K)."""
+    average = 1.0 - warm.base_success ** (1.0 / task.N_STEPS)
+    centre = task.N_DIGITS * task.MAX_DIGIT / 2
+    scale = 2.0 ** (warm.difficulty * (digits.sum(dim=1).double() - centre) / 3)  # (P,)
+    return (1.0 - (1.0 - average) ** scale).float()
 
 
 def build_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
@@ -129,14 +133,7 @@ def recipe_key(spec: ModelSpec, warm: WarmStart) -> str:
             "warm": asdict(warm),
             "version": WARM_START_VERSION,
             "vocab": task.VOCAB_SIZE,
-            "task": [
-                task.N_DIGITS,
-                task.MAX_DIGIT,
-                task.FILLERS_PER_STEP,
-                task.N_FILLERS,
-                task.FREE_FILLER_SHARE,
-                task.FILLER_SUCCESSORS,
-            ],
+            "task": [task.N_DIGITS, task.MAX_DIGIT, task.N_STEPS, task.WORDS_PER_STEP],
         },
         sort_keys=True,
     )
@@ -154,49 +151,37 @@ def shipped_path(spec: ModelSpec, warm: WarmStart) -> Path:
     return SHIPPED_DIR / f"{recipe_key(spec, warm)}.pt"
 
 
-def _sft_batch(warm: WarmStart, generator: torch.Generator) -> tuple[Rollout, torch.Tensor]:
-    """A batch of warm-start data and the loss weight of every response token (``warm.arith_weight`` on the
-    arithmetic tokens, 1 elsewhere)."""
+def _sft_batch(warm: WarmStart, generator: torch.Generator) -> Rollout:
+    """A batch of warm-start data: complete chains and chains that break off (:class:`WarmStart`)."""
     prompts = task.sample_prompts(warm.batch_size, generator)
-    direct = torch.rand(warm.batch_size, generator=generator) < warm.direct_share  # (N,)
-    # Steps before the answer: the first step m ≥ 1 after which the worked answer aborts, K when it never does.
-    aborts = torch.rand(warm.batch_size, task.N_DIGITS - 1, generator=generator) < warm.abort_hazard  # (N, K − 1)
-    aborts = torch.cat([aborts, torch.ones(warm.batch_size, 1, dtype=torch.bool)], dim=1)  # (N, K)
-    n_steps = torch.where(direct, 0, aborts.int().argmax(dim=1) + 1)  # (N,)
+    breaks = torch.rand(warm.batch_size, task.N_STEPS, generator=generator) < hazard(prompts.digits, warm)[:, None]
+    give_up = torch.rand(warm.batch_size, generator=generator) < warm.give_up_share  # (N,)
     response = torch.full((warm.batch_size, task.MAX_RESPONSE_LEN), task.PAD, dtype=torch.long)
-    weight = torch.ones(warm.batch_size, task.MAX_RESPONSE_LEN)
     for i in range(warm.batch_size):
-        digits, m = prompts.digits[i].tolist(), int(n_steps[i])
-        if bool(direct[i]):
-            row = task.give_up_answer()
-        elif m == task.N_DIGITS:
-            row = task.worked_answer(digits, generator)
-            weight[i, len(row) - 2] = warm.arith_weight  # the final answer copies the last running sum
+        if bool(breaks[i].any()):
+            row = task.broken_answer(int(breaks[i].int().argmax()), bool(give_up[i]), generator)
         else:
-            row = task.premature_answer(digits, m, generator)
+            row = task.worked_answer(generator)
         response[i, : len(row)] = torch.tensor(row)
-        for step in range(m):
-            digit_pos = 1 + step * task.STEP_LEN + task.FILLERS_PER_STEP
-            weight[i, digit_pos : digit_pos + 2] = warm.arith_weight  # the digit copy and the running sum
     mask = torch.arange(task.MAX_RESPONSE_LEN).unsqueeze(0) < task.response_lengths(response).unsqueeze(1)
-    return Rollout(prompts, response, mask), weight
+    return Rollout(prompts, response, mask)
 
 
-def _weighted_log_prob(model: torch.nn.Module, batch: Rollout, weight: torch.Tensor) -> torch.Tensor:
-    """Σ weight · log π over the response tokens of ``batch``, one forward per response length.
+def log_likelihood(model: torch.nn.Module, batch: Rollout, buckets: int = 4) -> torch.Tensor:
+    """Σ log π over the response tokens of ``batch``, with the rows sorted by length into ``buckets`` forwards.
 
-    The rows of a warm-start batch have a few lengths (``? <eos>`` and worked answers): each group is cut to its
-    own length, so the premature answers, two tokens and most of the rows, do not pay for a worked answer's
-    length. With causal attention and right padding, the tokens after a response never reach it, so this is the
-    loss of the whole padded batch (docs/mini.md, "Base models").
+    The rows of a warm-start batch have every length from 2 to WORKED_LEN tokens: each bucket is cut to its own
+    longest row, so short rows do not pay for the longest. With causal attention and right padding, the tokens after
+    a response never reach it, so this is the log-likelihood of the whole padded batch (tested;
+    docs/mini.md, "Base models").
     """
     lengths = batch.response_mask.sum(dim=1)  # (N,)
     total = torch.zeros(())
-    for n in lengths.unique().tolist():
-        rows = torch.nonzero(lengths == n).flatten()
+    for rows in torch.argsort(lengths).chunk(buckets):
+        n = int(lengths[rows].max())
         group = batch.rows(rows)
         group = Rollout(group.prompts, group.response[:, :n], group.response_mask[:, :n])
-        total = total + (response_log_prob(model, group) * weight[rows, :n]).sum()
+        total = total + torch.where(group.response_mask, response_log_prob(model, group), 0.0).sum()
     return total
 
 
@@ -236,8 +221,8 @@ def warm_start(
     )
     model.train()
     for step in range(warm.steps):
-        batch, weight = _sft_batch(warm, generator)
-        loss = -_weighted_log_prob(model, batch, weight) / batch.response_mask.sum()
+        batch = _sft_batch(warm, generator)
+        loss = -log_likelihood(model, batch) / batch.response_mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -1,18 +1,23 @@
 """The comparison protocol of ``respo-verl mini``, fixed before any comparison was run.
 
 - Learning rates: every method runs the grid :data:`LR_GRID` at N = 32 with :data:`GRID_SEEDS` (one RL seed per
-  warm start). The report shows each method at its own best learning rate (late score at N = 32) and all methods
-  at one common learning rate chosen on the baselines only (:data:`BASELINES`: the mean of their late scores at
-  N = 32), so ReSPO's own results never pick the rate it is compared at.
+  warm start). The grid spans the rates around the paper's regime, measured on the regime checks of all four methods
+  (docs/mini.md, "Regime checks"): below it too few positives starve, above it single tokens leave the ratio band.
+- The report shows each method at its own best learning rate (late score at N = 32) and all methods at one common
+  learning rate, chosen on the baselines only (:data:`BASELINES`: the mean of their late scores at N = 32) among the
+  grid's rates at which every method's grid runs are in the regime (:func:`regime_rates`; the regime checks measure
+  the drift of the rollouts' weights, not the scores). So ReSPO's own results never pick the rate it is compared at,
+  and the comparison is made where the paper's claim applies. When no rate is in the regime the common rate is
+  chosen among all of them, and the summary says that the comparison cannot test the claim.
 - At the common rate, the verdict's pair :data:`VERDICT` (ReSPO and VESPO) is completed at N = 32 to
-  :data:`FULL_SEEDS` (two warm starts × three RL seeds) and runs N ∈ {8, 16} with :data:`GRID_SEEDS`; GRPO and GSPO
+  :data:`FULL_SEEDS` (two warm starts × four RL seeds) and runs N ∈ {8, 16} with :data:`GRID_SEEDS`; GRPO and GSPO
   keep the grid's two seeds (the budget's cut, docs/mini.md "Budget").
 - Mini-batches of :data:`MINIBATCH_PROMPTS` prompts × G = 8 responses; :data:`FULL_OPTIMIZER_STEPS` updates per run
-  (the late window, the last 128, is its last four rollout batches at N = 32). The paper runs 1024; the miniature
-  learns its task within about a hundred, and 192 updates per run is what fits the 45-minute budget of ``--full``
-  on 2 cores.
-- Quick mode: all methods at N = 32, one seed, at :data:`QUICK_LR` (fixed in advance), :data:`QUICK_OPTIMIZER_STEPS`
-  updates: a smoke run with the regime checks, not a comparison.
+  (the late window, the last 128, is its last four rollout batches at N = 32). The paper runs 1024; 192 updates per
+  run is what fits the 45-minute budget of ``--full`` on 2 cores.
+- Quick mode: all methods at N = 32, one seed, at :data:`QUICK_LR` (fixed in advance: the grid's rate at which all
+  four methods were in the regime when the grid was chosen), :data:`QUICK_OPTIMIZER_STEPS` updates: a smoke run
+  with the regime checks, not a comparison.
 
 The late score is ``respo-verl report``'s: mean (reward + 1)/2 over the last 128 optimizer updates.
 """
@@ -21,9 +26,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-LR_GRID = (1e-4, 3e-4, 1e-3)
-QUICK_LR = 1e-3
+if TYPE_CHECKING:  # the regime module imports torch; the CLI reads the protocol before it needs torch
+    from respo_verl.mini.regime import RegimeCheck
+
+LR_GRID = (2e-4, 3e-4, 4e-4, 5e-4)
+QUICK_LR = 4e-4
 BASELINES = ("grpo", "gspo", "vespo")
 MINIBATCH_PROMPTS = 4
 GROUP_SIZE = 8
@@ -35,7 +44,7 @@ FULL_REUSE = (8, 16, 32)
 QUICK_REUSE = (32,)
 N_WARM_STARTS = 2
 GRID_SEEDS = tuple(range(N_WARM_STARTS))
-FULL_SEEDS = tuple(range(3 * N_WARM_STARTS))
+FULL_SEEDS = tuple(range(4 * N_WARM_STARTS))
 QUICK_SEEDS = (0,)
 
 
@@ -56,13 +65,31 @@ def best_lr(late: Mapping[tuple[str, float], float], algorithm: str) -> float:
     return max(rates, key=lambda lr: (late[(algorithm, lr)], -lr))
 
 
-def common_lr(late: Mapping[tuple[str, float], float], baselines: tuple[str, ...] = BASELINES) -> float:
-    """The learning rate with the highest mean late score over the baselines present (ReSPO plays no part)."""
+def regime_rates(checks: Mapping[tuple[str, float], RegimeCheck]) -> list[float]:
+    """The grid's learning rates at which the paper's regime holds for every method.
+
+    Args:
+        checks: (algorithm, lr) → the regime checks of that method's grid runs at that rate, pooled over its seeds
+            (``regime.pool``). They measure the drift of the rollouts' weights, not the scores.
+    """
+    rates = sorted({lr for _, lr in checks})
+    return [lr for lr in rates if all(check.holds for (_, r), check in checks.items() if r == lr)]
+
+
+def common_lr(
+    late: Mapping[tuple[str, float], float],
+    baselines: tuple[str, ...] = BASELINES,
+    eligible: list[float] | None = None,
+) -> float:
+    """The learning rate with the highest mean late score over the baselines present (ReSPO plays no part), among
+    ``eligible`` rates when given (the rates in the regime, :func:`regime_rates`)."""
     present = sorted({a for a, _ in late if a in baselines})
     if not present:
         raise ValueError(f"the common learning rate is chosen on the baselines {baselines}; none was run")
     rates = sorted({lr for a, lr in late if a in present})
-    complete = [lr for lr in rates if all((a, lr) in late for a in present)]
+    complete = [lr for lr in rates if all((a, lr) in late for a in present) and (eligible is None or lr in eligible)]
+    if not complete:
+        raise ValueError(f"no learning rate of {rates} is among the eligible {eligible}")
     return max(complete, key=lambda lr: (statistics.fmean(late[(a, lr)] for a in present), -lr))
 
 

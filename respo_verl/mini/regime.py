@@ -113,22 +113,45 @@ class RegimeCheck:
         )
 
 
+def stale_totals(reuse: int, records: list[dict]) -> dict[str, float]:
+    """The counts :data:`COUNT_KEYS` summed over the stale half of the rollout batches (mini-batches j ≥ N/2).
+
+    Args:
+        reuse: N.
+        records: ``{"step", "data"}`` records with :data:`COUNT_KEYS` and ``mini/minibatch``.
+    """
+    stale = [r["data"] for r in records if r["data"]["mini/minibatch"] >= reuse // 2]
+    return {k: sum(d[PREFIX + k] for d in stale) for k in COUNT_KEYS}
+
+
+def from_totals(reuse: int, totals: dict[str, float], shares: list[float]) -> RegimeCheck:
+    """The regime statistics of stale-half counts (:func:`stale_totals`) and the starved positives' shares."""
+    return RegimeCheck(
+        reuse=reuse,
+        positives=int(totals["positives"]),
+        starved_share=totals["starved"] / totals["positives"] if totals["positives"] else math.nan,
+        tokens_outside_band=(
+            totals["starved_tokens_outside_band"] / totals["starved_tokens"] if totals["starved_tokens"] else math.nan
+        ),
+        median_single_token_share=statistics.median(shares) if shares else math.nan,
+    )
+
+
 def summarise(reuse: int, records: list[dict], shares: list[float]) -> RegimeCheck:
-    """The regime statistics of logged updates (file-logger records) and the shares the run collected.
+    """The regime statistics of one run's logged updates (file-logger records) and the shares it collected.
 
     Args:
         reuse: N.
         records: ``{"step", "data"}`` records with :data:`COUNT_KEYS` and ``mini/minibatch``.
         shares: single-token shares of the starved positives of the stale half (from :func:`update_counts`).
     """
-    stale = [r["data"] for r in records if r["data"]["mini/minibatch"] >= reuse // 2]
-    total = {k: sum(d[PREFIX + k] for d in stale) for k in COUNT_KEYS}
-    return RegimeCheck(
-        reuse=reuse,
-        positives=int(total["positives"]),
-        starved_share=total["starved"] / total["positives"] if total["positives"] else math.nan,
-        tokens_outside_band=(
-            total["starved_tokens_outside_band"] / total["starved_tokens"] if total["starved_tokens"] else math.nan
-        ),
-        median_single_token_share=statistics.median(shares) if shares else math.nan,
-    )
+    return from_totals(reuse, stale_totals(reuse, records), shares)
+
+
+def pool(reuse: int, runs: list[tuple[dict[str, float], list[float]]]) -> RegimeCheck:
+    """The regime statistics of several runs at one N taken together: their counts added, their starved positives'
+    shares in one median. Each run is ``(stale_totals, shares)``."""
+    if not runs:
+        raise ValueError("no runs to pool")
+    totals = {k: sum(t[k] for t, _ in runs) for k in COUNT_KEYS}
+    return from_totals(reuse, totals, [x for _, shares in runs for x in shares])

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from respo_verl.mini.task import EOS, PAD, Prompts, response_lengths
+from respo_verl.mini.task import EOS, PAD, Prompts, breaks_grammar, response_lengths
 
 
 @dataclass
@@ -15,8 +15,8 @@ class Rollout:
 
     Attributes:
         prompts: the prompts, one row per response.
-        response: (B, T) sampled tokens, PAD after the first EOS.
-        response_mask: (B, T) bool, True up to and including the first EOS (all T tokens when truncated).
+        response: (B, T) sampled tokens, PAD after the end (``task.response_lengths``).
+        response_mask: (B, T) bool, True up to and including the response's last token.
     """
 
     prompts: Prompts
@@ -24,9 +24,7 @@ class Rollout:
     response_mask: torch.Tensor
 
     def rows(self, index: slice | torch.Tensor) -> Rollout:
-        p = self.prompts
-        prompts = Prompts(p.input_ids[index], p.attention_mask[index], p.digits[index], p.answer[index])
-        return Rollout(prompts, self.response[index], self.response_mask[index])
+        return Rollout(self.prompts.rows(index), self.response[index], self.response_mask[index])
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -38,10 +36,13 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
 def sample(model: torch.nn.Module, prompts: Prompts, max_new_tokens: int, generator: torch.Generator) -> Rollout:
     """Sample one response per prompt row at temperature 1 (top-p 1, no top-k), with the model's KV cache.
 
+    A response ends at ``<eos>`` or at its first token that breaks the task's grammar (``task.breaks_grammar``: an
+    episode ends at an invalid action); the tokens after its end are PAD.
+
     Args:
         model: a causal LM returning ``logits`` and ``past_key_values``.
         prompts: (B, L) left-padded prompts.
-        max_new_tokens: response budget; a response without EOS by then is truncated.
+        max_new_tokens: response budget; a response still going by then is cut there.
         generator: the only source of randomness of the sampling.
     """
     batch = prompts.input_ids.shape[0]
@@ -62,7 +63,7 @@ def sample(model: torch.nn.Module, prompts: Prompts, max_new_tokens: int, genera
         token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
         token = torch.where(finished, PAD, token)
         tokens.append(token)
-        finished |= token == EOS
+        finished |= (token == EOS) | breaks_grammar(token, step)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones(batch, 1, dtype=attention_mask.dtype)], dim=1)

@@ -200,7 +200,8 @@ def rollout_metrics(rollout: Rollout, reward: torch.Tensor, advantages: torch.Te
     lengths = rollout.response_mask.sum(dim=1).float()  # (B,)
     correct = reward > 0  # (B,)
     adv_valid = advantages[rollout.response_mask]
-    steps = task.completed_steps(rollout.response).float()  # (B,)
+    ending = task.ending(rollout.response)  # (B,)
+    ended_by_eos = (rollout.response == task.EOS).any(dim=1)  # (B,)
     return {
         # verl: score = sequence score from the reward function (here ±1), rewards = score without KL penalty.
         "critic/score/mean": float(reward.mean()),
@@ -215,13 +216,15 @@ def rollout_metrics(rollout: Rollout, reward: torch.Tensor, advantages: torch.Te
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
-        "response_length/clip_ratio": float((~(rollout.response == task.EOS).any(dim=1)).float().mean()),
+        # verl's share of responses that reach the length budget without <eos> (the grammar ends them before).
+        "response_length/clip_ratio": float(((lengths >= task.MAX_RESPONSE_LEN) & ~ended_by_eos).float().mean()),
         # The paper's score (reward + 1) / 2 of the rollout batch.
         "mini/score": float(((reward + 1) / 2).mean()),
         "mini/response_length/correct_mean": _masked_mean(lengths, correct),
         "mini/response_length/wrong_mean": _masked_mean(lengths, ~correct),
-        "mini/worked_frac": float((steps == task.N_DIGITS).float().mean()),
-        "mini/premature_frac": float((steps < task.N_DIGITS).float().mean()),
+        "mini/gave_up_frac": float((ending == 1).float().mean()),
+        "mini/slipped_frac": float((ending == 2).float().mean()),
+        "mini/steps_written/wrong_mean": _masked_mean(task.steps_written(rollout.response).float(), ~correct),
     }
 
 
@@ -270,7 +273,7 @@ def collect(state: _RunState, training_step: int) -> RolloutBatch:
     prompts = task.sample_prompts(cfg.rollout_prompts, state.prompt_gen).repeat_interleave(cfg.group_size)
     rollout = sample(model, prompts, task.MAX_RESPONSE_LEN, state.sample_gen)
     t_gen = time.perf_counter() - t0
-    reward = task.verify(rollout.response, prompts.answer)  # (B,)
+    reward = task.verify(rollout.response)  # (B,)
     mask = rollout.response_mask  # (B, T)
     token_level_rewards = torch.zeros(mask.shape)  # (B, T)
     token_level_rewards[torch.arange(mask.shape[0]), mask.sum(dim=1) - 1] = reward

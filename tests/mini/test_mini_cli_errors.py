@@ -64,10 +64,10 @@ def test_list_syntax_is_the_sweeps():
 
 def test_modes_follow_the_protocol():
     quick = mini_cli.resolve(mini_cli.build_parser().parse_args([]))
-    assert (quick.algos, quick.reuse, quick.seeds, quick.lr) == (list(algorithms.ALGORITHMS), [32], [0], [1e-3])
+    assert (quick.algos, quick.reuse, quick.seeds, quick.lr) == (list(algorithms.ALGORITHMS), [32], [0], [4e-4])
     assert quick.minibatch_prompts >= 4 and quick.optimizer_steps == 192
     full = mini_cli.resolve(mini_cli.build_parser().parse_args(["--full"]))
-    assert (full.reuse, full.seeds, full.lr) == ([8, 16, 32], [0, 1, 2, 3, 4, 5], [1e-4, 3e-4, 1e-3])
+    assert (full.reuse, full.seeds, full.lr) == ([8, 16, 32], list(range(8)), [2e-4, 3e-4, 4e-4, 5e-4])
     assert sorted({protocol.warm_seed(s) for s in full.seeds}) == [0, 1] and full.optimizer_steps == 192
     assert sorted({protocol.warm_seed(s) for s in protocol.GRID_SEEDS}) == [0, 1]  # the grid sees both warm starts
 
@@ -91,11 +91,30 @@ def test_learning_rate_selection():
     assert protocol.common_lr({k: v for k, v in late.items() if k[0] != "vespo"}) == 1e-4
     with pytest.raises(ValueError, match="baselines"):
         protocol.common_lr({("respo", 1e-4): 0.5})
+    # Among the rates in the regime only: there the baselines' best is chosen, whatever the other rates score.
+    assert protocol.common_lr(late, eligible=[1e-4]) == 1e-4
+    with pytest.raises(ValueError, match="eligible"):
+        protocol.common_lr(late, eligible=[1e-3])
+
+
+def test_rates_in_the_regime_need_every_method_in_it():
+    from respo_verl.mini.regime import RegimeCheck
+
+    def check(starved: float) -> RegimeCheck:
+        return RegimeCheck(
+            reuse=32, positives=1000, starved_share=starved, tokens_outside_band=0.01, median_single_token_share=0.15
+        )
+
+    checks = {(a, lr): check(0.2) for a in algorithms.ALGORITHMS for lr in (2e-4, 3e-4, 4e-4)}
+    assert protocol.regime_rates(checks) == [2e-4, 3e-4, 4e-4]
+    checks[("gspo", 3e-4)] = check(0.1)  # one method outside the regime at 3e-4 rules that rate out
+    assert protocol.regime_rates(checks) == [2e-4, 4e-4]
+    assert protocol.regime_rates({k: check(0.1) for k in checks}) == []
 
 
 def test_full_runs_the_grid_then_the_verdicts_seeds():
     """Stage 1: every method at every rate of the grid, one RL seed per warm start, N = 32. Stage 2, at the common
-    rate: ReSPO and VESPO to six seeds at N = 32 and two seeds at N = 8 and 16; no run is repeated."""
+    rate: ReSPO and VESPO to eight seeds at N = 32 and two seeds at N = 8 and 16; no run is repeated."""
     algos = list(algorithms.ALGORITHMS)
     grid = protocol.grid_runs(algos)
     assert len(grid) == len(algos) * len(protocol.LR_GRID) * 2
@@ -104,8 +123,8 @@ def test_full_runs_the_grid_then_the_verdicts_seeds():
     assert {a for a, *_ in verdict} == {"respo", "vespo"} and {lr for _, _, lr, _ in verdict} == {3e-4}
     for algo in ("respo", "vespo"):
         at_common = [(n, s) for a, n, lr, s in grid + verdict if a == algo and lr == 3e-4]
-        assert sorted(at_common) == sorted([(32, s) for s in range(6)] + [(n, s) for n in (8, 16) for s in (0, 1)])
+        assert sorted(at_common) == sorted([(32, s) for s in range(8)] + [(n, s) for n in (8, 16) for s in (0, 1)])
     assert len(set(grid + verdict)) == len(grid + verdict)
-    # The budget: 40 runs of 192 updates.
-    assert (len(grid) + len(verdict)) * protocol.FULL_OPTIMIZER_STEPS == 40 * 192
+    # The budget: 52 runs of 192 updates.
+    assert (len(grid) + len(verdict)) * protocol.FULL_OPTIMIZER_STEPS == 52 * 192
     assert protocol.verdict_runs(["grpo", "gspo"], 1e-4) == []

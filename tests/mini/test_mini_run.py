@@ -24,8 +24,10 @@ TINY_WARM = model_lib.WarmStart(steps=3, batch_size=16)
 
 @pytest.fixture(scope="module")
 def base_model():
+    """The shipped base model of warm seed 0: it completes about a quarter of its chains, so runs see both rewards."""
     torch.use_deterministic_algorithms(True)
-    model, _ = model_lib.warm_start(model_lib.ModelSpec(), TINY_WARM, cache_dir=None)
+    model, origin = model_lib.warm_start(model_lib.ModelSpec(), model_lib.WarmStart(seed=0), cache_dir=None)
+    assert origin.startswith("shipped"), origin
     return model
 
 
@@ -122,10 +124,10 @@ def test_warm_start_is_deterministic_and_cached(tmp_path):
 
 def test_schedule_applies_n_sequential_updates_with_fixed_pi_old(base_model, tmp_path, monkeypatch):
     reuse, prompts, group = 4, 4, 4
-    # The tiny base model answers nothing right; a verifier that rewards the first answer of every group gives every
-    # mini-batch non-zero advantages, so every update moves the policy (the test is about the schedule, not the task).
+    # A verifier that rewards the first answer of every group gives every mini-batch non-zero advantages, so every
+    # update moves the policy (the test is about the schedule, not the task).
     monkeypatch.setattr(
-        task, "verify", lambda response, answer: torch.where(torch.arange(len(answer)) % group == 0, 1.0, -1.0)
+        task, "verify", lambda response: torch.where(torch.arange(len(response)) % group == 0, 1.0, -1.0)
     )
     events: list[UpdateEvent] = []
     cfg = RunConfig("vespo", reuse=reuse, seed=3, optimizer_steps=2 * reuse, rollout_prompts=prompts, group_size=group)
@@ -271,41 +273,51 @@ def test_advantages_are_verls_grpo():
         assert torch.equal(got, expected)
 
 
-def test_verifier_and_answer_lengths():
-    gen = torch.Generator().manual_seed(0)
-    digits = [3, 4, 0]
-    worked = task.worked_answer(digits, gen)
-    assert len(worked) == task.WORKED_LEN == 145
-    direct_right = [task.ANS, task.num(7), task.EOS]
-    premature_wrong = task.premature_answer(digits, 2, gen)
-    premature_wrong[-2] = task.num(6)
-    no_eos = worked[:-1]
-    rows = [worked, direct_right, premature_wrong, no_eos, [task.EOS], task.give_up_answer()]
+def _responses(rows: list[list[int]]) -> torch.Tensor:
     response = torch.full((len(rows), task.MAX_RESPONSE_LEN), task.PAD)
     for i, row in enumerate(rows):
         response[i, : len(row)] = torch.tensor(row)
-    response[3, len(no_eos) :] = task.THINK  # keeps talking until the budget ends: truncated
-    reward = task.verify(response, torch.full((len(rows),), 7))
-    assert reward.tolist() == [1.0, 1.0, -1.0, -1.0, -1.0, -1.0]
-    lengths = [145, 3, 1 + 2 * task.STEP_LEN + 3, task.MAX_RESPONSE_LEN, 1, 2]
-    assert task.response_lengths(response).tolist() == lengths
-    assert task.completed_steps(response).tolist() == [task.N_DIGITS, 0, 2, task.N_DIGITS, 0, 0]
-    assert task.detokenize(direct_right) == "# 7 <eos>"
-    # Every step writes the digit it adds and the running sum.
-    sums = [worked[1 + i * task.STEP_LEN + task.FILLERS_PER_STEP + 1] - task.NUM_BASE for i in range(3)]
-    assert sums == [3, 7, 7]
+    return response
 
 
-def test_fillers_follow_the_previous_one_half_of_the_time():
-    """Half of the fillers are free, the others are the previous filler plus 1..3: every filler has probability
-    >= 1/16 given the previous one, and the successors of the rule carry 1/2 + 3/16 of the mass."""
-    fillers = task.filler_sequence(40_000, torch.Generator().manual_seed(0))
-    assert set(fillers) == set(range(task.N_FILLERS))
-    steps = [(b - a) % task.N_FILLERS for a, b in itertools.pairwise([0, *fillers])]
-    share = {k: steps.count(k) / len(steps) for k in range(task.N_FILLERS)}
-    for k in range(task.N_FILLERS):
-        expected = 1 / 16 + (1 / 6 if 1 <= k <= 3 else 0.0)
-        assert share[k] == pytest.approx(expected, abs=0.01), (k, share)
+def test_verifier_lengths_and_endings():
+    """Only the complete chain is right; a response ends at <eos> or at its first token out of place."""
+    gen = torch.Generator().manual_seed(0)
+    worked = task.worked_answer(gen)
+    assert len(worked) == task.WORKED_LEN == 143
+    assert task.detokenize(worked[:3]).startswith(": 1.") and task.detokenize(worked[-2:]) == "# <eos>"
+    gave_up = task.broken_answer(10, True, gen)  # ":", 10 words, "?"
+    slipped = task.broken_answer(50, False, gen)  # ":", 50 words, a word of another step
+    skipped = [*worked[:5], worked[6], *worked[7:]]  # step 5 left out: step 6's word comes one step early
+    early_end = [*worked[:20], task.ANS, task.EOS]  # the answer marker after 19 steps
+    no_end = [*worked[:-1], task.ANS]  # anything but <eos> after "#"
+    rows = [worked, gave_up, slipped, skipped, early_end, no_end, [task.EOS]]
+    response = _responses(rows)
+    assert task.verify(response).tolist() == [1.0] + [-1.0] * 6
+    assert task.response_lengths(response).tolist() == [143, 12, 52, 6, 21, 143, 1]
+    assert task.steps_written(response).tolist() == [140, 10, 50, 4, 19, 140, 0]
+    assert task.ending(response).tolist() == [0, 1, 2, 2, 3, 3, 3]
+    assert int(slipped[-1]) not in range(task.word(50, 0), task.word(51, 0))
+    # Words are uniform over their step's four.
+    words = torch.tensor([task.worked_answer(gen)[1:-2] for _ in range(400)]) - task.word(torch.arange(task.N_STEPS), 0)
+    share = torch.bincount(words.flatten(), minlength=task.WORDS_PER_STEP) / words.numel()
+    assert torch.allclose(share, torch.full((task.WORDS_PER_STEP,), 0.25), atol=0.01), share
+
+
+def test_sampler_stops_at_the_first_token_out_of_place(base_model):
+    """The sampler ends each response at <eos> or at its first token that breaks the grammar, pads after it, and
+    its mask is the task's length."""
+    from respo_verl.mini.rollout import sample
+
+    prompts = task.sample_prompts(16, torch.Generator().manual_seed(0)).repeat_interleave(4)
+    rollout = sample(base_model, prompts, task.MAX_RESPONSE_LEN, torch.Generator().manual_seed(1))
+    lengths = task.response_lengths(rollout.response)
+    assert torch.equal(rollout.response_mask.sum(dim=1), lengths)
+    assert int((lengths < task.WORKED_LEN).sum()) > 0 and int((lengths == task.WORKED_LEN).sum()) > 0
+    for row, n in zip(rollout.response.tolist(), lengths.tolist()):
+        assert all(t == task.PAD for t in row[n:])
+        assert not any(bool(task.breaks_grammar(torch.tensor(row[t]), t)) for t in range(n - 1))
+        assert row[n - 1] == task.EOS or bool(task.breaks_grammar(torch.tensor(row[n - 1]), n - 1))
 
 
 def test_regime_counts_by_hand():
@@ -331,20 +343,6 @@ def test_regime_counts_by_hand():
     assert check.positives == 4 and check.starved_share == 1.0 and check.tokens_outside_band == 0.05
     assert check.median_single_token_share == pytest.approx(0.55)
     assert not check.holds and "NOT in the regime" in check.line()
-
-
-def test_warm_start_weights_only_the_arithmetic_tokens():
-    """The warm start's loss weights the digit copies, the running sums and a worked answer's final answer."""
-    warm = model_lib.WarmStart(batch_size=32, arith_weight=3.0)
-    batch, weight = model_lib._sft_batch(warm, torch.Generator().manual_seed(0))
-    assert weight.shape == batch.response.shape
-    for row, w, mask in zip(batch.response.tolist(), weight.tolist(), batch.response_mask.tolist()):
-        n = sum(mask)
-        worked = row[n - 3] == task.ANS and task.completed_steps(torch.tensor([row]))[0] == task.N_DIGITS
-        for t in range(n):
-            in_step = row[0] == task.THINK and 1 <= t < n - 3 and (t - 1) % task.STEP_LEN >= task.FILLERS_PER_STEP
-            arithmetic = in_step or (worked and t == n - 2)
-            assert w[t] == (3.0 if arithmetic else 1.0), (task.detokenize(row[:n]), t)
 
 
 def test_warm_start_reports_progress(tmp_path):
@@ -423,19 +421,21 @@ def test_routing_replay_through_the_console_entry_point(tmp_path, capsys):
     assert "actor/routing/flip_frac" in orjson.loads(lines[0])["data"]
 
 
-def test_default_warm_start_data_gives_up_or_works_to_the_end():
-    """The default recipe's premature answers are ``? <eos>`` (always wrong, no token of a worked answer but
-    <eos>); every other answer is worked to the end and right."""
-    warm = model_lib.WarmStart(batch_size=256)
-    batch, _ = model_lib._sft_batch(warm, torch.Generator().manual_seed(0))
-    lengths = task.response_lengths(batch.response)
-    give_up = lengths == 2
-    assert all(row[:2] == task.give_up_answer() for row in batch.response[give_up].tolist())
-    assert set(lengths[~give_up].tolist()) == {task.WORKED_LEN}
-    assert float(give_up.float().mean()) == pytest.approx(warm.direct_share, abs=0.07)
-    reward = task.verify(batch.response, batch.prompts.answer)
-    assert reward.tolist() == torch.where(give_up, -1.0, 1.0).tolist()
-    assert task.detokenize(task.give_up_answer()) == "? <eos>"
+def test_warm_start_data_break_off_at_the_prompts_hazard():
+    """The data are complete chains and chains that break off: half give up, half slip; at average difficulty
+    ``base_success`` of them are complete, and harder prompts (larger digit sums) break off more."""
+    warm = model_lib.WarmStart(batch_size=4000)
+    batch = model_lib._sft_batch(warm, torch.Generator().manual_seed(0))
+    ending = task.ending(batch.response)
+    assert set(ending.tolist()) == {0, 1, 2}
+    broken = ending > 0
+    assert float((ending == 1)[broken].float().mean()) == pytest.approx(warm.give_up_share, abs=0.03)
+    sums = batch.prompts.digits.sum(dim=1)
+    assert float((ending == 0)[sums == 6].float().mean()) == pytest.approx(warm.base_success, abs=0.05)
+    assert float((ending == 0)[sums <= 3].float().mean()) > 0.5 > 0.1 > float((ending == 0)[sums >= 9].float().mean())
+    assert torch.equal(batch.response_mask.sum(dim=1), task.response_lengths(batch.response))
+    flat = model_lib.hazard(torch.tensor([[0, 0, 0], [4, 4, 4]]), model_lib.WarmStart(difficulty=0.0))
+    assert flat[0] == flat[1] == pytest.approx(1 - 0.3 ** (1 / task.N_STEPS))
 
 
 def test_old_log_prob_in_pieces_is_the_whole_batchs(base_model):
@@ -451,25 +451,24 @@ def test_old_log_prob_in_pieces_is_the_whole_batchs(base_model):
     assert not pieces.requires_grad
 
 
-def test_warm_start_loss_by_length_is_the_padded_batchs():
-    """The warm start runs each response length of a batch in its own forward (the give-ups are two tokens): the
-    loss and its gradient are those of the whole right-padded batch (causal attention: padding never reaches a
-    response), up to float rounding."""
+def test_warm_start_loss_in_length_buckets_is_the_padded_batchs():
+    """The warm start sorts a batch's rows by length into buckets, each cut to its longest row: the loss and its
+    gradient are those of the whole right-padded batch (causal attention: padding never reaches a response), up to
+    float rounding."""
     from respo_verl.mini.rollout import response_log_prob
 
-    warm = model_lib.WarmStart(batch_size=24, arith_weight=5.0, abort_hazard=0.3)
-    batch, weight = model_lib._sft_batch(warm, torch.Generator().manual_seed(0))
-    assert len(batch.response_mask.sum(dim=1).unique()) > 2, "the batch should hold several lengths"
+    batch = model_lib._sft_batch(model_lib.WarmStart(batch_size=24), torch.Generator().manual_seed(0))
+    assert len(batch.response_mask.sum(dim=1).unique()) > 4, "the batch should hold several lengths"
     model = model_lib.build_model(model_lib.ModelSpec(), 0).train()
     grads = []
     for loss_of in (
-        lambda: (response_log_prob(model, batch) * weight * batch.response_mask).sum(),
-        lambda: model_lib._weighted_log_prob(model, batch, weight),
+        lambda: torch.where(batch.response_mask, response_log_prob(model, batch), 0.0).sum(),
+        lambda: model_lib.log_likelihood(model, batch),
     ):
         model.zero_grad(set_to_none=True)
         loss = loss_of()
         loss.backward()
         grads.append((loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
-    (padded, g_padded), (by_length, g_by_length) = grads
-    torch.testing.assert_close(by_length, padded, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(g_by_length, g_padded, rtol=1e-4, atol=1e-5)
+    (padded, g_padded), (bucketed, g_bucketed) = grads
+    torch.testing.assert_close(bucketed, padded, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(g_bucketed, g_padded, rtol=1e-4, atol=1e-5)
