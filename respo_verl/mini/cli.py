@@ -2,8 +2,9 @@
 
 Quick mode (default): the four algorithms at N = 32, one seed, 192 updates, at the protocol's quick learning rate
 (a smoke run with the regime checks, not a comparison). ``--full``: the learning-rate grid at N = 32 for every
-algorithm with one RL seed per warm start; then, at the common learning rate (chosen on the baselines only), ReSPO
-and VESPO with 6 seeds (2 warm starts × 3 RL seeds) at N = 32 and 2 seeds at N ∈ {8, 16}
+algorithm with one RL seed per warm start; then, at the common learning rate (chosen on the baselines only, among
+the rates in the paper's regime), ReSPO and VESPO with 8 seeds (2 warm starts × 4 RL seeds) at N = 32 and 2 seeds at
+N ∈ {8, 16}
 (``respo_verl.mini.protocol``). Every run prints and logs the regime checks (``respo_verl.mini.regime``); the scores
 are ``respo-verl report``'s (late = last 128 updates).
 """
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="respo-verl mini", description=" ".join(__doc__.split("\n\n")[:2]).replace("\n", " ").replace("``", "")
     )
-    parser.add_argument("--full", action="store_true", help="the protocol's full grid (learning rates, N, 6 seeds)")
+    parser.add_argument("--full", action="store_true", help="the protocol's full grid (learning rates, N, 8 seeds)")
     parser.add_argument("--algos", type=_algorithms, default=None, help="comma-separated (default: all four)")
     parser.add_argument("--reuse", type=reuse_list, default=None, metavar="N,...", help="rollout reuse (default 32)")
     parser.add_argument("--seeds", type=seed_list, default=None, metavar="S,...", help="RL seeds (default 0)")
