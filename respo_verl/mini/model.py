@@ -80,6 +80,17 @@ class WarmStart:
     difficulty: float = 1.0
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if not 0.0 < self.base_success < 1.0:
+            raise ValueError(f"WarmStart.base_success must lie strictly between 0 and 1, got {self.base_success}")
+        if not 0.0 <= self.give_up_share <= 1.0:
+            raise ValueError(f"WarmStart.give_up_share must lie in [0, 1], got {self.give_up_share}")
+        if self.difficulty < 0 or self.steps < 0 or self.batch_size < 1:
+            raise ValueError(
+                f"WarmStart needs difficulty >= 0, steps >= 0 and batch_size >= 1, got {self.difficulty}, "
+                f"{self.steps}, {self.batch_size}"
+            )
+
 
 def hazard(digits: torch.Tensor, warm: WarmStart) -> torch.Tensor:
     """(P,) per-step chance that a chain of the warm-start data breaks off, for prompts with these digits (P, K)."""

@@ -134,6 +134,8 @@ def verify(response: torch.Tensor) -> torch.Tensor:
     Returns:
         (B,) float rewards in {−1, +1}.
     """
+    if response.shape[1] < WORKED_LEN:
+        raise ValueError(f"verify needs responses at least {WORKED_LEN} tokens wide, got width {response.shape[1]}")
     head = response[:, :WORKED_LEN]  # (B, WORKED_LEN)
     complete = ((head >= _LO) & (head < _HI)).all(dim=1)  # (B,): the last position allows only <eos>
     return torch.where(complete, 1.0, -1.0)

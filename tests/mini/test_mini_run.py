@@ -434,6 +434,11 @@ def test_warm_start_data_break_off_at_the_prompts_hazard():
     assert float((ending == 0)[sums == 6].float().mean()) == pytest.approx(warm.base_success, abs=0.05)
     assert float((ending == 0)[sums <= 3].float().mean()) > 0.5 > 0.1 > float((ending == 0)[sums >= 9].float().mean())
     assert torch.equal(batch.response_mask.sum(dim=1), task.response_lengths(batch.response))
+    for bad, field in (({"base_success": 1.0}, "base_success"), ({"give_up_share": -0.1}, "give_up_share")):
+        with pytest.raises(ValueError, match=field):
+            model_lib.WarmStart(**bad)
+    with pytest.raises(ValueError, match="at least 143 tokens wide"):
+        task.verify(batch.response[:, :10])
     flat = model_lib.hazard(torch.tensor([[0, 0, 0], [4, 4, 4]]), model_lib.WarmStart(difficulty=0.0))
     assert flat[0] == flat[1] == pytest.approx(1 - 0.3 ** (1 / task.N_STEPS))
 
