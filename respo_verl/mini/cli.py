@@ -247,6 +247,7 @@ def _init_worker(threads: int, algos: list[str]) -> None:
 def _run_job(job: _Job, progress=None) -> dict:
     """Train one configuration (in this or a worker process) and return what the summary needs."""
     from respo_verl.mini import model as model_lib
+    from respo_verl.mini import regime
     from respo_verl.mini.train import train
 
     base, _ = model_lib.warm_start(job.spec, job.warm, job.cache_dir, shipped=job.shipped)
@@ -259,8 +260,6 @@ def _run_job(job: _Job, progress=None) -> dict:
             pending[0] = 0
 
     result = train(job.cfg, base, job.out, on_step=tick)
-    from respo_verl.mini import regime
-
     data = [r["data"] for r in result.records]
     quarter = data[-max(1, len(data) // 4) :]
     correct = [d["mini/response_length/correct_mean"] for d in quarter]

@@ -343,6 +343,45 @@ def test_regime_counts_by_hand():
     assert check.positives == 4 and check.starved_share == 1.0 and check.tokens_outside_band == 0.05
     assert check.median_single_token_share == pytest.approx(0.55)
     assert not check.holds and "NOT in the regime" in check.line()
+    # Pooling runs adds their counts and takes one median of their shares: two copies of the run have its shares
+    # and twice its positives, and a run without starvation dilutes the starved share.
+    totals = regime.stale_totals(4, records)
+    twice = regime.pool(4, [(totals, shares * 2)] * 2)
+    assert twice.positives == 8 and (twice.starved_share, twice.tokens_outside_band) == (1.0, 0.05)
+    assert twice.median_single_token_share == check.median_single_token_share
+    calm = {k: (4.0 if k == "positives" else 0.0) for k in regime.COUNT_KEYS}
+    pooled = regime.pool(4, [(totals, shares * 2), (calm, [])])
+    assert (
+        pooled.positives == 8
+        and pooled.starved_share == 0.5
+        and pooled.median_single_token_share == check.median_single_token_share
+    )
+    with pytest.raises(ValueError, match="no runs"):
+        regime.pool(4, [])
+
+
+def test_the_grid_is_pooled_per_method_and_rate():
+    """``--full`` pools each (method, rate)'s grid runs at N = 32 over their seeds; other N are left out."""
+    from respo_verl.mini.cli import grid_regime
+
+    run = {k: 0.0 for k in regime.COUNT_KEYS}
+    done = []
+    for algo, reuse, seed, starved in (
+        ("respo", 32, 0, 3.0),
+        ("respo", 32, 1, 1.0),
+        ("vespo", 32, 0, 0.0),
+        ("respo", 8, 0, 9.0),
+    ):
+        totals = {**run, "positives": 10.0, "starved": starved, "starved_tokens": 100.0 * starved}
+        cfg = RunConfig(
+            algo, reuse=reuse, seed=seed, optimizer_steps=reuse, rollout_prompts=reuse, group_size=2, lr=4e-4
+        )
+        done.append((cfg, {"stale_totals": totals, "stale_shares": [0.1] * int(starved)}))
+    checks = grid_regime(done)
+    assert set(checks) == {("respo", 4e-4), ("vespo", 4e-4)}
+    assert checks[("respo", 4e-4)].positives == 20 and checks[("respo", 4e-4)].starved_share == 0.2
+    assert checks[("respo", 4e-4)].holds and not checks[("vespo", 4e-4)].holds
+    assert protocol.regime_rates(checks) == []
 
 
 def test_warm_start_reports_progress(tmp_path):
