@@ -30,7 +30,7 @@ test: lint
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) scripts/bench_losses.py
+	$(PY) scripts/bench/losses.py
 
 # The main job on a CPU machine: verl's own trainer with ReSPO and rollout reuse N = 4 (python -m respo_verl.main_ppo
 # algorithm=respo +device=cpu), one line per step, then `respo-verl report` of the run (README, docs/cpu.md).
@@ -39,7 +39,7 @@ demo: setup
 
 # The paper's experiment in miniature, in-process on CPU (docs/mini.md).
 demo-mini: setup
-	$(VENV)/bin/respo-verl mini
+	$(PY) -m experiments.mini
 
 # verl's Megatron engine on CPU: a tiny Qwen3-MoE trained by main_ppo with ReSPO and R2 routing replay, rollout reuse
 # N = 4, 4 steps, verl's file logger, then `respo-verl report` of the run (docs/cpu-megatron.md).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Qwen3-1.7B-Base, FSDP actor (Ulysses SP 2) + vLLM TP 2, ReSPO or a baseline, on a preset cluster layout (docs/method.md §11).
-# Multi-node: start Ray first (scripts/ray_cluster.sh or scripts/slurm/respo_verl.sbatch), run this on the head.
+# Qwen3-1.7B-Base, FSDP actor (Ulysses SP 2) + vLLM TP 2, ReSPO or a baseline, on a preset cluster layout (docs/method.md, "Published protocol").
+# Multi-node: start Ray first (scripts/launch/ray_cluster.sh or scripts/launch/slurm/respo_verl.sbatch), run this on the head.
 set -euo pipefail
 
 # ---- knobs ---------------------------------------------------------------------------------------------------
@@ -10,7 +10,7 @@ SEED=${SEED:-1}
 PRESET=${PRESET:-qwen3_1p7b_h100_1x8}              # configs/cluster/<PRESET>.yaml
 ROUTING=${ROUTING:-}                               # routing replay: off | r2 | r3 (Megatron only); empty: off
 MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-1.7B-Base}
-DATA_DIR=${DATA_DIR:-$HOME/data/respo_verl}        # from scripts/prepare_dapo_math.py and prepare_eval_math.py
+DATA_DIR=${DATA_DIR:-$HOME/data/respo_verl}        # from respo_verl/data/dapo_math.py and prepare_eval_math.py
 CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/respo_verl}
 PROJECT=${PROJECT:-respo_verl}
 EXPERIMENT=${EXPERIMENT:-${ALGO}_qwen3_1p7b_N${N}_seed${SEED}${ROUTING:+_$ROUTING}}
@@ -22,4 +22,4 @@ DRY_RUN=${DRY_RUN:-0}                              # 1: print the command and co
 
 TASK=dapo_math                                     # DAPO verifier, no overlong buffer (the paper gives none for 1.7B)
 SEED_KEY=actor_rollout_ref.actor.fsdp_config.seed
-source "$(dirname "${BASH_SOURCE[0]}")/../scripts/launch_common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/launch/launch_common.sh"

@@ -11,11 +11,16 @@ import sys
 
 # name -> (module with main(argv), one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("respo_verl.verl.demo", "a real verl run with ReSPO on this CPU (main_ppo +device=cpu), then its report"),
-    "plan": ("respo_verl.planner.cli", "check a cluster layout preset and estimate per-GPU memory"),
-    "mini": ("respo_verl.mini.cli", "the paper's experiment in miniature on CPU (tiny Qwen3, rollout reuse)"),
-    "sweep": ("respo_verl.sweep.cli", "expand the ReSPO/VESPO/GRPO/GSPO x N x seed grid into verl runs"),
-    "report": ("respo_verl.report.cli", "late score, deltas to VESPO and plots from verl file-logger logs"),
+    "demo": ("respo_verl.tools.demo", "a real verl run with ReSPO on this CPU (main_ppo +device=cpu), then its report"),
+    "plan": ("respo_verl.tools.plan.cli", "check a cluster layout preset and estimate per-GPU memory"),
+    "prepare-data": ("respo_verl.data.cli", "write DAPO-Math-17k or the evaluation sets in verl's parquet schema"),
+    "sweep": ("respo_verl.tools.sweep.cli", "expand the ReSPO/VESPO/GRPO/GSPO x N x seed grid into verl runs"),
+    "report": ("respo_verl.tools.report.cli", "late score, deltas to VESPO and plots from verl file-logger logs"),
+}
+
+# Commands that are no longer part of the package, with where they went.
+MOVED = {
+    "mini": "is research code outside the package: run `python -m experiments.mini` from a checkout (docs/mini.md)",
 }
 
 
@@ -36,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"respo-verl: a command is required\n\n{_usage()}", file=sys.stderr)
         return 2
     name, rest = argv[0], argv[1:]
+    if name in MOVED:
+        print(f"respo-verl: {name!r} {MOVED[name]}", file=sys.stderr)
+        return 2
     if name not in SUBCOMMANDS:
         print(f"respo-verl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2

@@ -15,8 +15,8 @@ os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import pytest
 
-from respo_verl.compose import CPU_COMPOSE_OVERRIDES as _DATACLASS_OVERRIDES
-from respo_verl.compose import compose_job
+from respo_verl.verl.compose import CPU_COMPOSE_OVERRIDES as _DATACLASS_OVERRIDES
+from respo_verl.verl.compose import compose_job
 
 # What verl's validate_config needs on top of the dataclass conversion's keys, without a GPU cluster: the
 # log-prob micro-batch sizes of the rollout and the reference model.
@@ -46,7 +46,7 @@ def _restore_transformer_engine_attention_env():
 
     Left set, they reach the trainer subprocesses of later tests, whose local attention backend refuses them.
     """
-    from respo_verl.verl.cpu_preset import TE_ATTENTION_ENV
+    from respo_verl.cpu.preset import TE_ATTENTION_ENV
 
     saved = {name: os.environ.get(name) for name in TE_ATTENTION_ENV}
     yield

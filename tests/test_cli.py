@@ -40,6 +40,20 @@ def test_default_output_folders_are_ignored_by_git_and_the_packages_are_not():
     if not (root / ".git").exists():
         pytest.skip("not a git checkout")
     defaults = ["runs/x.jsonl", "report/report.md", "outputs/mini/x/results.md"]  # sweep, report, mini
-    packages = ["respo_verl/runs/manifest.py", "respo_verl/report/cli.py"]
+    packages = ["respo_verl/tools/runs/manifest.py", "respo_verl/tools/report/cli.py"]
     done = subprocess.run(["git", "check-ignore", *defaults, *packages], cwd=root, capture_output=True, text=True)
     assert done.stdout.split() == defaults
+
+
+def test_the_miniature_is_not_a_command_of_the_package_and_says_where_it_went(capsys):
+    assert main(["mini", "--full"]) == 2
+    err = capsys.readouterr().err
+    assert "python -m experiments.mini" in err and len(err.strip().splitlines()) == 1
+    assert "mini" not in SUBCOMMANDS
+
+
+def test_prepare_data_lists_its_datasets_and_refuses_an_unknown_one(capsys):
+    assert main(["prepare-data", "--help"]) == 0
+    assert "dapo-math" in capsys.readouterr().out
+    assert main(["prepare-data", "gsm8k"]) == 2
+    assert "unknown dataset 'gsm8k'" in capsys.readouterr().err

@@ -7,8 +7,10 @@ this module by scanning the ``hydra_plugins`` namespace package; it must not imp
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-CONFIG_PROVIDER = "respo-verl"
-CONFIG_PATH = "pkg://respo_verl.configs"  # the top-level configs/ folder, shipped under this name
+from respo_verl.entry_points import CONFIG_PACKAGE, DISTRIBUTION
+
+CONFIG_PROVIDER = DISTRIBUTION
+CONFIG_PATH = f"pkg://{CONFIG_PACKAGE}"  # the top-level configs/ folder, shipped under this name
 
 
 class RespoVerlSearchPathPlugin(SearchPathPlugin):

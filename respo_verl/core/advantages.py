@@ -1,4 +1,4 @@
-"""Group-relative outcome advantage (GRPO; docs/method.md §8) with the per-sequence view the kernels need."""
+"""Group-relative outcome advantage (GRPO; docs/method.md, "Advantages") with the per-sequence view the kernels need."""
 
 from __future__ import annotations
 

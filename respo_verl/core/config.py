@@ -37,7 +37,7 @@ def _check_rollout_is_level(owner: str, value: object) -> str:
 
 @dataclass(frozen=True)
 class KernelBranch:
-    """One branch φ(W; α, β, λ) of the ReSPO kernel family (arXiv 2609.35433; docs/method.md §4.1)."""
+    """One branch φ(W; α, β, λ) of the ReSPO kernel family (arXiv 2609.35433; docs/method.md, "Family")."""
 
     alpha: float
     beta: float

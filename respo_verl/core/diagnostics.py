@@ -1,4 +1,5 @@
-"""Per-micro-batch diagnostics of a sequence-kernel loss (docs/method.md §9), as 0-dim tensors (no host sync).
+"""Per-micro-batch diagnostics of a sequence-kernel loss (docs/method.md, "Diagnostics"), as 0-dim tensors (no
+host sync).
 
 Branches for the statistics: positive = A_i > 0, negative = A_i < 0 (A_i = 0 carries no gradient and is only
 counted in ``zero_adv_frac``); only sequences with at least one valid token count. An empty branch reports 0 for its
@@ -11,7 +12,8 @@ import torch
 
 from respo_verl.core.losses import KernelTerms
 
-# A positive sequence counts as "starved" once its weight has drifted below 1/e (arXiv 2609.35433; docs/method.md §9).
+# A positive sequence counts as "starved" once its weight has drifted below 1/e (arXiv 2609.35433;
+# docs/method.md, "Diagnostics").
 STARVATION_LOG_W = -1.0
 LOG_W_QUANTILES = (0.1, 0.5, 0.9)
 BRANCH_STATS = ("frac", "log_w_mean", "log_w_p10", "log_w_p50", "log_w_p90", "phi_mean", "phi_min", "phi_max", "ess")
@@ -74,7 +76,7 @@ def _branch_stats(terms: KernelTerms, member: torch.Tensor, n_valid: torch.Tenso
 
 
 def kernel_diagnostics(terms: KernelTerms) -> torch.Tensor:
-    """The diagnostics of one micro-batch (docs/method.md §9), stacked in the order of :func:`diagnostic_keys`.
+    """The diagnostics of one micro-batch (docs/method.md, "Diagnostics"), in the order of :func:`diagnostic_keys`.
 
     The starvation share: among valid positive sequences with log W < −1 (``STARVATION_LOG_W``), their share of the
     valid responses (``starved_frac``) and their share of the total gradient-coefficient mass

@@ -2,7 +2,7 @@
 
 Everything here works on per-sequence tensors in log space, because W = π_θ/μ of a long response spans e^±20, and
 returns detached values: the kernels are used as stop-gradient coefficients in a REINFORCE-form loss
-(docs/method.md §3).
+(docs/method.md, "Loss").
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def sequence_log_weight(
     rollout_is_level: str = "token",
     token_log_ratio_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence log-weight log W_i = Σ_t m_it (log π_θ − log μ), clamped to [−C, C] (docs/method.md §2).
+    """Sequence log-weight log W_i = Σ_t m_it (log π_θ − log μ), clamped to [−C, C] (docs/method.md, "Sequence weight").
 
     No length normalisation (unlike GSPO). Everything is computed without gradient.
 
@@ -63,7 +63,7 @@ def sequence_log_weight(
 
 
 def respo_log_phi(log_w: torch.Tensor, branch: KernelBranch) -> torch.Tensor:
-    """log φ(W; α, β, λ) of the ReSPO family, evaluated in log space (arXiv 2609.35433; docs/method.md §4).
+    """log φ(W; α, β, λ) of the ReSPO family in log space (arXiv 2609.35433; docs/method.md, "ReSPO kernels").
 
     φ0(W) = [(1−β) + β·W^(α−1)]^(1/(α−1)) for α > 1 (power mean of 1 and W), W^β for α = 1 (geometric limit);
     φ(W) = φ0 · exp(λ(1 − φ0)).
@@ -93,7 +93,7 @@ def respo_log_phi(log_w: torch.Tensor, branch: KernelBranch) -> torch.Tensor:
 
 
 def vespo_log_phi(log_w: torch.Tensor, k: float, lam: float) -> torch.Tensor:
-    """log φ(W) = k·log W + λ(1 − W) of the VESPO kernel (arXiv 2602.10693; docs/method.md §5), detached."""
+    """log φ(W) = k·log W + λ(1 − W) of the VESPO kernel (arXiv 2602.10693; docs/method.md, "VESPO"), detached."""
     log_w = log_w.detach()
     return k * log_w + lam * (1.0 - log_w.exp())
 

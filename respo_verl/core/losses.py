@@ -1,6 +1,6 @@
 """Kernel policy losses on plain tensors: input checks, the per-token loss matrix, the per-sequence terms.
 
-The loss is the REINFORCE form with a detached sequence coefficient (docs/method.md §3):
+The loss is the REINFORCE form with a detached sequence coefficient (docs/method.md, "Loss"):
 
     ℓ_it = − sg[φ(W_i)] · A_it · log π_θ(o_it)
 
@@ -10,8 +10,9 @@ so that ∂ℓ_it/∂log π_θ(o_it) = −φ(W_i)·A_it on every valid token. Ag
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -116,8 +117,30 @@ def _sequence_advantage(advantages: torch.Tensor, mask: torch.Tensor) -> tuple[t
     return adv_sum_seq / n_tok_seq.clamp(min=1), n_tok_seq
 
 
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel family: its config class, its φ, and how its log W is formed.
+
+    Attributes:
+        config_class: the config the kernel reads (any other object is refused, never read as this one).
+        phi: ``phi(log_w_seq, positive_seq, config) -> (B,)``.
+        clamp_token_log_ratio: clamp every token log-ratio to ±``log_w_clip`` before summing (VESPO does).
+    """
+
+    config_class: type
+    phi: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+    clamp_token_log_ratio: bool
+
+
+# The kernel families, by verl loss name.
+KERNELS = {
+    "respo": KernelSpec(ReSPOConfig, respo_phi, clamp_token_log_ratio=False),
+    "vespo": KernelSpec(VESPOConfig, vespo_phi, clamp_token_log_ratio=True),
+}
+
+
 def _kernel_terms(
-    config_class: type,
+    spec: KernelSpec,
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
@@ -125,10 +148,8 @@ def _kernel_terms(
     config: ReSPOConfig | VESPOConfig,
     rollout_is_weights: torch.Tensor | None,
 ) -> KernelTerms:
-    # The kernel follows the config's class; any other object is refused, never read as one of the two.
-    if not isinstance(config, config_class):
-        raise TypeError(f"expected a {config_class.__name__}, got {type(config).__name__}")
-    is_vespo = config_class is VESPOConfig
+    if not isinstance(config, spec.config_class):
+        raise TypeError(f"expected a {spec.config_class.__name__}, got {type(config).__name__}")
     check_shapes(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights)
     mask = response_mask.to(torch.bool)
     counts = nonfinite_counts(mask, log_prob, old_log_prob, advantages)  # (3,)
@@ -145,12 +166,12 @@ def _kernel_terms(
         log_w_clip=config.log_w_clip,
         rollout_is_weights=rollout_is_weights,
         rollout_is_level=config.rollout_is_level,
-        token_log_ratio_clip=config.log_w_clip if is_vespo else None,
+        token_log_ratio_clip=config.log_w_clip if spec.clamp_token_log_ratio else None,
     )  # (B,), (B,)
     adv_seq, n_tok_seq = _sequence_advantage(advantages, mask)  # (B,), (B,)
     # A = 0 rows take the positive kernel; their loss is zero either way.
     positive_seq = adv_seq >= 0  # (B,)
-    phi_seq = vespo_phi(log_w_seq, positive_seq, config) if is_vespo else respo_phi(log_w_seq, positive_seq, config)
+    phi_seq = spec.phi(log_w_seq, positive_seq, config)  # (B,)
     loss_tok = kernel_loss_tok(log_prob, phi_seq, advantages, mask)  # (B, T)
     return KernelTerms(loss_tok, mask, log_w_seq, clamped_seq, phi_seq, adv_seq, n_tok_seq, counts)
 
@@ -168,7 +189,9 @@ def respo_terms(
     The computation runs in fp32 (fp64 if any input is fp64). Non-finite inputs are counted, not raised here, so
     that a caller can fold the check into its single host synchronisation; :func:`raise_on_nonfinite` raises.
     """
-    return _kernel_terms(ReSPOConfig, log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights)
+    return _kernel_terms(
+        KERNELS["respo"], log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights
+    )
 
 
 def vespo_terms(
@@ -180,4 +203,6 @@ def vespo_terms(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> KernelTerms:
     """VESPO counterpart of :func:`respo_terms` (token log-ratios clamped before summing, as VESPO does)."""
-    return _kernel_terms(VESPOConfig, log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights)
+    return _kernel_terms(
+        KERNELS["vespo"], log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights
+    )

@@ -1,7 +1,7 @@
 """Route-drift diagnostics: how far replayed MoE routes are from the routes the live router would choose.
 
 Torch only. Shared by the HF replay (:mod:`respo_verl.routing.hf`) and the Megatron hooks
-(:mod:`respo_verl.megatron.routing`), so both report the same ``actor/routing/...`` metrics.
+(:mod:`respo_verl.routing.megatron`), so both report the same ``actor/routing/...`` metrics.
 
 Per MoE layer ``l`` and token ``t``, with ``R`` the replayed expert set and ``N`` the native one (the live router's
 own top-k of its scores), both of size ``k``:

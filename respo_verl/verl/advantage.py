@@ -23,7 +23,7 @@ def compute_respo_outcome_advantage(
     epsilon: float = GRPO_EPSILON,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO advantages (docs/method.md §8), equal bit for bit to verl's ``grpo`` under the same settings.
+    """GRPO advantages (docs/method.md, "Advantages"), equal bit for bit to verl's ``grpo`` under the same settings.
 
     The advantage is constant over each response's tokens (the sequence kernels read one scalar per response
     and choose the branch by its sign). ``algorithm.norm_adv_by_std_in_grpo`` is honoured as in ``grpo``. The

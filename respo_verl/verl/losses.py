@@ -72,7 +72,7 @@ def compute_policy_loss_respo(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """ReSPO policy loss (arXiv 2609.35433): ℓ_it = −sg[φ(W_i)]·A_it·log π_θ(o_it), aggregated by ``agg_loss``.
 
-    φ is the two-branch ReSPO kernel (``docs/method.md#4-respo-kernels``) of the clamped sequence weight W_i, chosen
+    φ is the two-branch ReSPO kernel (``docs/method.md, "ReSPO kernels"``) of the clamped sequence weight W_i, chosen
     by the sign of the sequence advantage; hyperparameters come from ``config.policy_loss.respo``.
 
     Args:
@@ -83,7 +83,7 @@ def compute_policy_loss_respo(
         rollout_is_weights: optional (B, T) rollout-correction weights, folded into log W.
 
     Returns:
-        ``(pg_loss, metrics)`` with the diagnostics of ``docs/method.md#9-diagnostics`` under ``actor/respo/``.
+        ``(pg_loss, metrics)`` with the diagnostics of ``docs/method.md, "Diagnostics"`` under ``actor/respo/``.
     """
     terms = respo_terms(
         log_prob, old_log_prob, advantages, response_mask, _kernel_config(config, "respo"), rollout_is_weights

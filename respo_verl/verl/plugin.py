@@ -1,4 +1,5 @@
-"""Registers the ``respo``/``vespo`` policy losses and the ``respo`` advantage estimator in verl.
+"""Registers respo-verl in verl: the ``respo``/``vespo`` policy losses, the ``respo`` advantage estimator, and the
+route-drift Megatron engines. Registrations only, through verl's public registries; no patch.
 
 Loaded three ways, so that every process of a run has the registrations:
 
@@ -10,34 +11,23 @@ Loaded three ways, so that every process of a run has the registrations:
 
 verl swallows entry-point failures at DEBUG level; :func:`require_policy_loss` is the loud check.
 
-With ``RESPO_VERL_ROUTING_DIAGNOSTICS=1`` in the environment (the ``routing=r2``/``r3`` presets put it into Ray's
-runtime env) it also applies :mod:`respo_verl.verl.patches.verl_0_9_1_megatron_routing_metrics`, and with
-``VERL_PLATFORM=cpu`` (the ``device=cpu`` preset) it imports :mod:`respo_verl.verl.cpu`; otherwise nothing.
+The route-drift engines (:mod:`respo_verl.routing.engine`) are registered when verl itself imports its Megatron
+engine module, so a process that never builds an engine (the driver, the TaskRunner, the rollout servers) imports
+nothing of Megatron here; the ``routing=r2|r3`` presets select them with verl's ``VERL_ENGINE_VENDOR``.
 """
 
 from __future__ import annotations
 
-import os
-
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 
+from respo_verl.entry_points import INSTALL_HINT
+from respo_verl.routing.engine import REGISTRATION as ROUTE_DRIFT_ENGINES
 from respo_verl.verl import advantage as _advantage  # noqa: F401  (registers "respo" estimator)
 from respo_verl.verl import losses as _losses  # noqa: F401  (registers "respo", "vespo" losses)
-from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as _routing_metrics
 
 POLICY_LOSSES = ("respo", "vespo")
 ADVANTAGE_ESTIMATORS = ("respo",)
-INSTALL_HINT = (
-    "install respo-verl in the Python environment of every node that runs verl (pip install respo-verl), "
-    "or select a loss that verl ships"
-)
-# Route-drift metrics from verl's Megatron engine: patched only when the environment switches them on.
-ROUTING_METRICS_PATCHED = _routing_metrics.maybe_apply()
-# verl on CPU, switched on by the environment like the routing metrics: the device=cpu preset sets VERL_PLATFORM=cpu in
-# Ray's runtime env, and a user of verl's own entry point sets it in the shell for the driver.
-CPU_ENABLED = os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu"
-if CPU_ENABLED:
-    from respo_verl.verl import cpu as _cpu  # noqa: F401  (applies the CPU platform, gloo default, hf_cpu rollout)
+ROUTE_DRIFT_ENGINES.apply()
 
 
 def require_policy_loss(loss_mode: str) -> None:
@@ -53,4 +43,5 @@ def registered() -> dict[str, bool]:
     """Which of our names are visible in verl's registries in this process."""
     status = {f"policy_loss/{name}": name in POLICY_LOSS_REGISTRY for name in POLICY_LOSSES}
     status.update({f"adv_estimator/{name}": name in ADV_ESTIMATOR_REGISTRY for name in ADVANTAGE_ESTIMATORS})
+    status["engine/route_drift"] = ROUTE_DRIFT_ENGINES.applied
     return status

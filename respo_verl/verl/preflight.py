@@ -8,7 +8,7 @@ import socket
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from respo_verl.verl.plugin import INSTALL_HINT
+from respo_verl.entry_points import INSTALL_HINT
 
 # Long enough for a cold worker process to import torch and verl on a busy node.
 PREFLIGHT_TIMEOUT_S = 300.0

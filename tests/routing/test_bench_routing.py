@@ -1,18 +1,14 @@
-"""Smoke test of ``scripts/bench_routing.py``: tiny sizes, one repeat, in-process; both models, all three
+"""Smoke test of ``scripts/bench/routing.py``: tiny sizes, one repeat, in-process; both models, all three
 conditions in the printed table and in the returned report."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from support.scripts import load_script
 
 pytest.importorskip("megatron.core")
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import bench_routing  # noqa: E402
+bench_routing = load_script("scripts/bench/routing.py", "bench_routing")
 
 TINY = ["--batch", "2", "--seq", "8", "--layers", "2", "--hidden", "32", "--heads", "4", "--moe-ffn", "16"]
 TINY += ["--vocab", "64", "--repeats", "1", "--warmup", "0", "--perturb", "0.25"]

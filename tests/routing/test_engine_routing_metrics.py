@@ -1,17 +1,16 @@
-"""Route-drift metrics from verl 0.9.1's Megatron engine (respo_verl/verl/patches/verl_0_9_1_megatron_routing_metrics).
+"""The route-drift Megatron engine (``respo_verl/routing/engine.py``): metrics, registration, selection.
 
-verl's ``MegatronEngine`` needs CUDA and NCCL to be built, so these tests use the real class with an instance made by
-``object.__new__`` that carries only what the wrapper reads (``module``, ``enable_routing_replay``, ``tf_config``,
-``is_mp_src_rank_with_outputs``), and replace the engine's own ``forward_backward_batch`` body by a stand-in: it runs
-a tiny megatron-core GPTModel on CPU (gloo world of size 1) under megatron's routing replay, the way verl drives the
-routers (set the replay data, set REPLAY_FORWARD, forward, clear), and returns the dict shape verl's method returns.
-The stand-in replaces the CUDA-only engine body; the wrapper, the monitor, the reduction and the metric keys are the
-real code.
+verl's ``MegatronEngine`` needs CUDA and NCCL to be built, so these tests use the real subclass with an instance made
+by ``object.__new__`` that carries only what the subclass reads (``module``, ``enable_routing_replay``,
+``tf_config``, ``is_mp_src_rank_with_outputs``), and replace verl's own ``forward_backward_batch`` body (for the
+test only) by a stand-in: it runs a tiny megatron-core GPTModel on CPU (gloo world of size 1) under megatron's routing
+replay, the way verl drives the routers (set the replay data, set REPLAY_FORWARD, forward, clear), and returns the
+dict shape verl's method returns. The stand-in replaces the CUDA-only engine body; the subclass, the monitor, the
+reduction and the metric keys are the real code.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -20,12 +19,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from support.megatron_moe import BATCH, NUM_EXPERTS, NUM_LAYERS, SEQ, VOCAB, forward, megatron_cpu, tiny_gpt_moe
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
-from respo_verl.megatron.cpu import BATCH, NUM_EXPERTS, NUM_LAYERS, SEQ, VOCAB, forward, megatron_cpu, tiny_gpt_moe
-from respo_verl.megatron.routing import find_replay_routers
-from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as patch
+from respo_verl.routing import engine as route_drift
+from respo_verl.routing.megatron import find_replay_routers
 
 TOKENS = BATCH * SEQ
 LAST = NUM_LAYERS - 1
@@ -38,15 +37,11 @@ def cpu_world():
 
 
 @pytest.fixture
-def engine_cls():
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine, MegatronEngineWithLMHead
+def engine_cls(monkeypatch):
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    assert not patch.is_applied(), "the test process must start unpatched"
-    verl_body = vars(MegatronEngine)["forward_backward_batch"]
-    MegatronEngine.forward_backward_batch = _stand_in
-    yield MegatronEngineWithLMHead
-    patch.remove()
-    MegatronEngine.forward_backward_batch = verl_body
+    monkeypatch.setattr(MegatronEngine, "forward_backward_batch", _stand_in)  # verl's CUDA-only body, for the test
+    return route_drift.engine_classes()["language_model"]
 
 
 def _stand_in(self, data, loss_function, forward_only=False):
@@ -118,7 +113,6 @@ def test_update_reports_exact_drift_under_routing_keys(engine_cls, input_ids, fl
     model = tiny_gpt_moe()
     routes = _native_routes(model, input_ids)
     engine = _engine(engine_cls, model, _flip(routes, LAST, flips))
-    assert patch.apply() is True
     output = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)
     metrics = output["metrics"]
     assert metrics["pg_loss"] == [0.25] and output["loss"] == [0.5]  # verl's own metrics untouched
@@ -137,7 +131,6 @@ def test_forward_only_drift_is_reported_with_the_next_update(engine_cls, input_i
     model = tiny_gpt_moe()
     routes = _native_routes(model, input_ids)
     engine = _engine(engine_cls, model, _flip(routes, LAST, 3))
-    patch.apply()
     output = engine.forward_backward_batch(_batch(input_ids), None, forward_only=True)  # compute_log_prob (R3)
     assert not [key for key in output["metrics"] if key.startswith("routing/")]
     engine.routes = routes  # the update replays without drift
@@ -150,12 +143,8 @@ def test_forward_only_drift_is_reported_with_the_next_update(engine_cls, input_i
 
 
 def test_nothing_installed_when_replay_is_off(engine_cls, input_ids):
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
-
     model = tiny_gpt_moe()
     routes = _native_routes(model, input_ids)
-    assert vars(MegatronEngine)["forward_backward_batch"] is _stand_in  # not applied: verl's method as it is
-    patch.apply()
     for engine, data in (
         (_engine(engine_cls, model, routes, replay=False), _batch(input_ids)),  # router_replay.mode=disabled
         (_engine(engine_cls, model, routes), _batch(input_ids, replay=False)),  # e.g. compute_ref_log_prob
@@ -166,53 +155,64 @@ def test_nothing_installed_when_replay_is_off(engine_cls, input_ids):
         assert all(not hasattr(replay, "_respo_route_drift_monitor") for replay in replays)
 
 
-def test_patch_is_idempotent_and_removable(engine_cls, input_ids):
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
-
+def test_the_monitor_is_attached_once_per_model(engine_cls, input_ids):
     model = tiny_gpt_moe()
     engine = _engine(engine_cls, model, _native_routes(model, input_ids))
-    assert patch.apply() is True and patch.apply() is False and patch.is_applied()
-    wrapper = vars(MegatronEngine)["forward_backward_batch"]
     engine.forward_backward_batch(_batch(input_ids), None)
+    monitor = engine._route_drift.monitor
     engine.forward_backward_batch(_batch(input_ids), None)  # attached once, not twice
+    assert engine._route_drift.monitor is monitor
     replays = [r.router_replay for r in find_replay_routers(model).values()]
     assert all(hasattr(replay, "_respo_route_drift_monitor") for replay in replays)
-    assert vars(MegatronEngine)["forward_backward_batch"] is wrapper
-    assert patch.remove() is True and patch.remove() is False
-    assert vars(MegatronEngine)["forward_backward_batch"] is _stand_in
+    other = tiny_gpt_moe(seed=1)
+    engine.module = [other]  # the engine rebuilt its model: the old routers are unhooked
+    engine.routes = _native_routes(other, input_ids)
+    engine.forward_backward_batch(_batch(input_ids), None)
     assert all(not hasattr(replay, "_respo_route_drift_monitor") for replay in replays)
     assert "get_replay_topk" not in vars(replays[0])  # the class method is back
-    assert "routing/flip_frac" not in engine.forward_backward_batch(_batch(input_ids), None)["metrics"]
 
 
 def test_missing_replay_data_for_a_layer_names_the_layer(engine_cls, input_ids):
     model = tiny_gpt_moe()
     routes = _native_routes(model, input_ids)
     del routes[1]
-    patch.apply()
     with pytest.raises(ValueError, match=r"layer 1: REPLAY_FORWARD but no replay data"):
         _engine(engine_cls, model, routes).forward_backward_batch(_batch(input_ids), None)
 
 
-def test_plugin_applies_the_patch_only_when_switched_on(engine_cls):
+def test_the_presets_vendor_selects_the_route_drift_engine_and_removal_unregisters_it(monkeypatch):
+    """verl's own ``VERL_ENGINE_VENDOR`` picks the subclass; other vendors, and no vendor, get verl's engine."""
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
     from respo_verl.verl import plugin
 
-    assert not patch.enabled_by_env({}) and patch.enabled_by_env({patch.ENV_VAR: "1"})
-    assert patch.maybe_apply({}) is False and not patch.is_applied()
-    if not patch.enabled_by_env():
-        assert plugin.ROUTING_METRICS_PATCHED is False  # this process loaded the plugin with the switch off
-    assert patch.maybe_apply({patch.ENV_VAR: "true"}) is True and patch.is_applied()
+    assert plugin.ROUTE_DRIFT_ENGINES is route_drift.REGISTRATION and route_drift.REGISTRATION.applied
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
+    monkeypatch.setenv(route_drift.VENDOR_ENV, route_drift.VENDOR)
+    chosen = EngineRegistry.get_engine_cls("language_model", "megatron")
+    assert issubclass(chosen, route_drift.RouteDriftEngine) and issubclass(chosen, MegatronEngineWithLMHead)
+    assert issubclass(EngineRegistry.get_engine_cls("value_model", "megatron"), route_drift.RouteDriftEngine)
+    monkeypatch.delenv(route_drift.VENDOR_ENV)
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is MegatronEngineWithLMHead
+    try:
+        assert route_drift.REGISTRATION.remove() is True
+        monkeypatch.setenv(route_drift.VENDOR_ENV, route_drift.VENDOR)
+        assert EngineRegistry.get_engine_cls("language_model", "megatron") is MegatronEngineWithLMHead
+    finally:
+        route_drift.REGISTRATION.apply()  # the module is imported: registers again at once
+    assert issubclass(EngineRegistry.get_engine_cls("language_model", "megatron"), route_drift.RouteDriftEngine)
 
 
 @pytest.mark.slow
-def test_plugin_on_import_verl_with_the_switch_on():
+def test_the_plugin_registers_the_engines_only_once_verl_imports_its_megatron_engine():
+    """A process that imports verl (driver, TaskRunner, rollout) imports nothing of Megatron through the plugin."""
     code = (
-        "import verl, respo_verl.verl.plugin as p\n"
-        "from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as m\n"
-        "print(p.ROUTING_METRICS_PATCHED, m.is_applied())"
+        "import sys, verl, respo_verl.verl.plugin as p\n"
+        "print('megatron.core' in sys.modules, p.registered()['engine/route_drift'])\n"
+        "from verl.workers.engine.base import EngineRegistry  # imports every engine module of verl\n"
+        "print(('cuda', 'respo_route_drift') in EngineRegistry._engines['language_model']['megatron'])\n"
     )
-    for value, expected in (("1", "True True"), ("0", "False False")):
-        env = {**os.environ, patch.ENV_VAR: value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert out.stdout.strip().splitlines()[-1] == expected
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["False", "True", "True"]

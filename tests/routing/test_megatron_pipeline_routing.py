@@ -2,7 +2,7 @@
 
 Two processes (``torch.multiprocessing`` spawn, ``env://`` rendezvous on 127.0.0.1 and a free port) form a gloo world
 of size 2; each runs megatron-core 0.16.1's ``initialize_model_parallel(1, 2)`` under the CPU patch of
-megatron-core (:func:`respo_verl.megatron.cpu.megatron_cpu`) and builds its pipeline stage of the tiny GPTModel MoE
+megatron-core (:func:`support.megatron_moe.megatron_cpu`) and builds its pipeline stage of the tiny GPTModel MoE
 of ``test_megatron_routing.py``, with 4 layers: stage 0 holds global layers 0-1 (embedding), stage 1 layers 2-3
 (output layer). Every forward goes through megatron's real pipeline schedule (``get_forward_backward_func()``, 1F1B
 without interleaving): activations and gradients travel between the ranks by ``torch.distributed`` isend/irecv over
@@ -19,8 +19,9 @@ Each rank checks:
    the same global layer indices (so "layer 2" on stage 1 is the whole model's layer 2);
 2. a constructed drift (m of n tokens forced to flip in global layer 3, on stage 1) reads m/n for layer 3 and 0 for
    every other layer, on the stage that holds it; stage 0 reports zero drift for its layers 0-1;
-3. through the real engine patch (verl 0.9.1 ``MegatronEngine`` instance with a stand-in body that runs the pipeline
-   schedule forward and backward; as in ``test_engine_routing_metrics.py``), the per-layer counts are all-reduced
+3. through the real route-drift engine (verl 0.9.1's ``MegatronEngineWithLMHead`` subclassed, with a stand-in
+   body that runs the pipeline schedule forward and backward; as in ``test_engine_routing_metrics.py``), the
+   per-layer counts are all-reduced
    over both ranks: both ranks hold the same metrics, with every global layer present, layer 3 at m/n, and
    ``any_layer_flip_frac`` per stage.
 
@@ -41,7 +42,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from respo_verl.megatron.cpu import BATCH, NUM_EXPERTS, SEQ, TOP_K, VOCAB, forward, megatron_cpu, tiny_gpt_moe
+from support.megatron_moe import BATCH, NUM_EXPERTS, SEQ, TOP_K, VOCAB, forward, megatron_cpu, tiny_gpt_moe
 
 PP = 2
 LAYERS = 4  # PP stages of LAYERS // PP layers each
@@ -113,7 +114,7 @@ def _check_stage(rank, input_ids, whole_logits, whole_routes, whole_state) -> No
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from verl.utils.megatron.router_replay_utils import get_current_rank_layer_info, iter_model_routers
 
-    from respo_verl.megatron.routing import RouteDriftMonitor, find_replay_routers
+    from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
 
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
     assert mpu.get_pipeline_model_parallel_rank() == rank and (first, last) == (rank == 0, rank == PP - 1)
@@ -167,7 +168,7 @@ def _check_stage(rank, input_ids, whole_logits, whole_routes, whole_state) -> No
     assert local["actor/routing/any_layer_flip_frac"] == (FLIPS / TOKENS if DRIFT_LAYER in expected else 0.0)
     monitor.remove()
 
-    # (3) The engine patch all-reduces the per-layer counts: both ranks end with the same, whole-model metrics.
+    # (3) The route-drift engine all-reduces the per-layer counts: both ranks end with the same, whole-model metrics.
     metrics = _engine_step(stage, input_ids, drifted)
     per_layer = {f"routing/{name}/layer_{layer}" for name in _PER_LAYER for layer in range(LAYERS)}
     assert per_layer <= metrics.keys(), sorted(metrics)
@@ -207,14 +208,14 @@ def _stage_state(stage, whole_state: dict, offset: int) -> dict:
 def _set_action(model, name: str | None) -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from respo_verl.megatron.routing import find_replay_routers
+    from respo_verl.routing.megatron import find_replay_routers
 
     for router in find_replay_routers([model]).values():
         router.router_replay.router_replay_action = None if name is None else RouterReplayAction[name]
 
 
 def _clear(model) -> None:
-    from respo_verl.megatron.routing import find_replay_routers
+    from respo_verl.routing.megatron import find_replay_routers
 
     for router in find_replay_routers([model]).values():
         router.router_replay.clear_indices()
@@ -222,7 +223,7 @@ def _clear(model) -> None:
 
 
 def _recorded(model) -> dict[int, torch.Tensor]:
-    from respo_verl.megatron.routing import find_replay_routers
+    from respo_verl.routing.megatron import find_replay_routers
 
     return {layer: r.router_replay.recorded_topk_idx.clone() for layer, r in find_replay_routers([model]).items()}
 
@@ -303,7 +304,7 @@ def _pipeline_record(model, input_ids):
 
 
 def _set_routes(model, routes) -> None:
-    from respo_verl.megatron.routing import find_replay_routers
+    from respo_verl.routing.megatron import find_replay_routers
 
     for layer, router in find_replay_routers([model]).items():
         router.router_replay.set_target_indices(routes[layer])
@@ -315,15 +316,15 @@ def _pipeline_replay(model, input_ids, routes, forward_only: bool = True) -> lis
     return _run_schedule(model, input_ids, forward_only=forward_only)
 
 
-# -- the engine patch ---------------------------------------------------------------------------------------------
+# -- the route-drift engine -------------------------------------------------------------------------------------------
 
 
 def _engine_step(stage, input_ids, routes) -> dict[str, float]:
-    """One training call of verl's ``MegatronEngine`` through our patch; the engine's CUDA-only body is replaced by a
-    stand-in that replays ``routes`` through the pipeline schedule (forward and backward) and clears them."""
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine, MegatronEngineWithLMHead
+    """One training call of the route-drift engine; verl's CUDA-only body is replaced (for the test) by a stand-in
+    that replays ``routes`` through the pipeline schedule (forward and backward) and clears them."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    from respo_verl.verl.patches import verl_0_9_1_megatron_routing_metrics as patch
+    from respo_verl.routing.engine import engine_classes
 
     def stand_in(self, data, loss_function, forward_only=False):
         try:
@@ -335,16 +336,15 @@ def _engine_step(stage, input_ids, routes) -> dict[str, float]:
     verl_body = vars(MegatronEngine)["forward_backward_batch"]
     MegatronEngine.forward_backward_batch = stand_in
     try:
-        assert patch.apply()
-        engine = object.__new__(MegatronEngineWithLMHead)
+        engine = object.__new__(engine_classes()["language_model"])
         engine.module = [stage]
         engine.enable_routing_replay = True
         engine.tf_config = stage.config
         engine.is_mp_src_rank_with_outputs = lambda: True  # every rank hands back its metrics, to compare them
         data = _replay_batch(input_ids)
         output = engine.forward_backward_batch(data, loss_function=None, forward_only=False)
+        engine._route_drift.close()
     finally:
-        patch.remove()
         MegatronEngine.forward_backward_batch = verl_body
     stage.zero_grad(set_to_none=True)
     return {key: value[0] for key, value in output["metrics"].items()}

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from respo_verl.megatron.cpu import (
+from support.megatron_moe import (
     BATCH,
     NUM_EXPERTS,
     NUM_LAYERS,
@@ -23,7 +23,8 @@ from respo_verl.megatron.cpu import (
     megatron_cpu,
     tiny_gpt_moe,
 )
-from respo_verl.megatron.routing import RouteDriftMonitor, find_replay_routers
+
+from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
 
 TOKENS = BATCH * SEQ
 

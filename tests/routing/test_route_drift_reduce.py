@@ -1,4 +1,4 @@
-"""The cross-rank reduction of route-drift sums (respo_verl.megatron.routing.reduce_route_drift) on a world of one:
+"""The cross-rank reduction of route-drift sums (respo_verl.routing.megatron.reduce_route_drift) on a world of one:
 the metrics are those of the sums themselves, an optional prefix without counts is left out, and the width of the
 sums is taken from the sums (the two-rank case is tests/routing/test_megatron_pipeline_routing.py)."""
 
@@ -11,9 +11,10 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from respo_verl.megatron.cpu import megatron_cpu
-from respo_verl.megatron.routing import reduce_route_drift
+from support.megatron_moe import megatron_cpu
+
 from respo_verl.routing.diagnostics import drift_metrics
+from respo_verl.routing.megatron import reduce_route_drift
 
 
 def test_one_rank_reduction_equals_the_metrics_of_its_sums():

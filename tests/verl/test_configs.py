@@ -17,6 +17,7 @@ from verl.utils.config import omega_conf_to_dataclass, validate_config
 from verl.workers.config import FSDPActorConfig, McoreActorConfig
 
 from respo_verl.core.config import ReSPOConfig, VESPOConfig
+from respo_verl.entry_points import PLUGIN_MODULE
 from respo_verl.verl.config import ReSPOPolicyLossConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -64,7 +65,7 @@ def test_preset_composes_validates_and_converts(entry, algorithm, model_engine):
         assert type(actor_dc.policy_loss) is ReSPOPolicyLossConfig
         assert actor_dc.policy_loss.respo == ReSPOConfig() and actor_dc.policy_loss.vespo == VESPOConfig()
         env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
-        assert env.VERL_USE_EXTERNAL_MODULES == "respo_verl.verl.plugin"
+        assert env.VERL_USE_EXTERNAL_MODULES == PLUGIN_MODULE
 
 
 def test_entry_points_compose_the_same_job():
@@ -130,7 +131,8 @@ def test_unknown_loss_mode_fails_in_validate_config():
     cfg = _compose("verl", "respo", "dp", ("actor_rollout_ref.actor.policy_loss.loss_mode=respoo",))
     with pytest.raises(Exception) as info:
         validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    assert info.match("'respoo' is not registered in verl") and info.match("pip install respo-verl")
+    assert info.match("'respoo' is not registered in verl")
+    assert info.match("install respo-verl in the Python environment of every node")
 
 
 @pytest.mark.slow

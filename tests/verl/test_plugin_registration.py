@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from respo_verl.entry_points import INSTALL_HINT
 from respo_verl.verl.config import ReSPOPolicyLossConfig
-from respo_verl.verl.plugin import ADVANTAGE_ESTIMATORS, INSTALL_HINT, POLICY_LOSSES
+from respo_verl.verl.plugin import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 # Every verl process imports torch and verl first (about 5 s on an idle 2-core box); this bounds a hang, not a run.
 SUBPROCESS_TIMEOUT_S = 180
@@ -29,6 +30,7 @@ RESULT_MARKER = "RESULT_JSON:"
 ALL_REGISTERED = {
     **{f"policy_loss/{name}": True for name in POLICY_LOSSES},
     **{f"adv_estimator/{name}": True for name in ADVANTAGE_ESTIMATORS},
+    "engine/route_drift": True,
 }
 
 REGISTRY_PROBE = """
@@ -112,7 +114,7 @@ def test_unknown_loss_mode_fails_when_the_config_is_built():
         ReSPOPolicyLossConfig(loss_mode="no_such_loss")
     message = str(excinfo.value)
     assert "'no_such_loss'" in message
-    assert "pip install respo-verl" in message and INSTALL_HINT in message
+    assert INSTALL_HINT in message
     assert "respo" in message and "vanilla" in message  # the registered names are listed
 
 

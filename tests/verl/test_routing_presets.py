@@ -47,7 +47,7 @@ def test_preset_sets_verls_keys_and_validates(entry, routing):
     assert arr.ref.megatron.router_replay.mode == mode
     assert arr.rollout.enable_rollout_routing_replay is rollout_flag
     env = OmegaConf.select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars", default={}) or {}
-    assert (env.get("RESPO_VERL_ROUTING_DIAGNOSTICS") == "1") is diagnostics
+    assert (env.get("VERL_ENGINE_VENDOR") == "respo_route_drift") is diagnostics
 
     _validate(cfg)
     actor = omega_conf_to_dataclass(arr.actor)
@@ -101,4 +101,4 @@ def test_done_when_command_composes():
     job = OmegaConf.create(out.stdout)
     assert job.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
     assert job.actor_rollout_ref.rollout.enable_rollout_routing_replay is True
-    assert job.ray_kwargs.ray_init.runtime_env.env_vars.RESPO_VERL_ROUTING_DIAGNOSTICS == "1"
+    assert job.ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR == "respo_route_drift"

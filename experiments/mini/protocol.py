@@ -1,0 +1,108 @@
+"""The comparison protocol of ``respo-verl mini``, fixed before any comparison was run.
+
+- Learning rates: every method runs the grid :data:`LR_GRID` at N = 32 with :data:`GRID_SEEDS` (one RL seed per
+  warm start). The grid spans the rates around the paper's regime, measured on the regime checks of all four methods
+  (docs/mini.md, "Regime checks"): below it too few positives starve, above it single tokens leave the ratio band.
+- The report shows each method at its own best learning rate (late score at N = 32) and all methods at one common
+  learning rate, chosen on the baselines only (:data:`BASELINES`: the mean of their late scores at N = 32) among the
+  grid's rates at which every method's grid runs are in the regime (:func:`regime_rates`; the regime checks measure
+  the drift of the rollouts' weights, not the scores). So ReSPO's own results never pick the rate it is compared at,
+  and the comparison is made where the paper's claim applies. When no rate is in the regime the common rate is
+  chosen among all of them, and the summary says that the comparison cannot test the claim.
+- At the common rate, the verdict's pair :data:`VERDICT` (ReSPO and VESPO) is completed at N = 32 to
+  :data:`FULL_SEEDS` (two warm starts × four RL seeds) and runs N ∈ {8, 16} with :data:`GRID_SEEDS`; GRPO and GSPO
+  keep the grid's two seeds (the budget's cut, docs/mini.md "Budget").
+- Mini-batches of :data:`MINIBATCH_PROMPTS` prompts × G = 8 responses; :data:`FULL_OPTIMIZER_STEPS` updates per run
+  (the late window, the last 128, is its last four rollout batches at N = 32). The paper runs 1024; 192 updates per
+  run is what fits the 45-minute budget of ``--full`` on 2 cores.
+- Quick mode: all methods at N = 32, one seed, at :data:`QUICK_LR` (fixed in advance: the grid's rate at which all
+  four methods were in the regime when the grid was chosen), :data:`QUICK_OPTIMIZER_STEPS` updates: a smoke run
+  with the regime checks, not a comparison.
+
+The late score is ``respo-verl report``'s: mean (reward + 1)/2 over the last 128 optimizer updates.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the regime module imports torch; the CLI reads the protocol before it needs torch
+    from experiments.mini.regime import RegimeCheck
+
+LR_GRID = (2e-4, 3e-4, 4e-4, 5e-4)
+QUICK_LR = 4e-4
+BASELINES = ("grpo", "gspo", "vespo")
+MINIBATCH_PROMPTS = 4
+GROUP_SIZE = 8
+VERDICT = ("respo", "vespo")
+FULL_OPTIMIZER_STEPS = 192
+QUICK_OPTIMIZER_STEPS = 192
+GRID_REUSE = 32
+FULL_REUSE = (8, 16, 32)
+QUICK_REUSE = (32,)
+N_WARM_STARTS = 2
+GRID_SEEDS = tuple(range(N_WARM_STARTS))
+FULL_SEEDS = tuple(range(4 * N_WARM_STARTS))
+QUICK_SEEDS = (0,)
+
+
+def warm_seed(seed: int) -> int:
+    """The warm start RL seed ``seed`` starts from."""
+    return seed % N_WARM_STARTS
+
+
+def best_lr(late: Mapping[tuple[str, float], float], algorithm: str) -> float:
+    """The learning rate of the grid with ``algorithm``'s highest mean late score (ties: the smaller rate).
+
+    Args:
+        late: (algorithm, lr) → mean late score over seeds at N = 32.
+    """
+    rates = sorted(lr for a, lr in late if a == algorithm)
+    if not rates:
+        raise ValueError(f"no late scores for {algorithm}")
+    return max(rates, key=lambda lr: (late[(algorithm, lr)], -lr))
+
+
+def regime_rates(checks: Mapping[tuple[str, float], RegimeCheck]) -> list[float]:
+    """The grid's learning rates at which the paper's regime holds for every method.
+
+    Args:
+        checks: (algorithm, lr) → the regime checks of that method's grid runs at that rate, pooled over its seeds
+            (``regime.pool``). They measure the drift of the rollouts' weights, not the scores.
+    """
+    rates = sorted({lr for _, lr in checks})
+    return [lr for lr in rates if all(check.holds for (_, r), check in checks.items() if r == lr)]
+
+
+def common_lr(
+    late: Mapping[tuple[str, float], float],
+    baselines: tuple[str, ...] = BASELINES,
+    eligible: list[float] | None = None,
+) -> float:
+    """The learning rate with the highest mean late score over the baselines present (ReSPO plays no part), among
+    ``eligible`` rates when given (the rates in the regime, :func:`regime_rates`)."""
+    present = sorted({a for a, _ in late if a in baselines})
+    if not present:
+        raise ValueError(f"the common learning rate is chosen on the baselines {baselines}; none was run")
+    rates = sorted({lr for a, lr in late if a in present})
+    complete = [lr for lr in rates if all((a, lr) in late for a in present) and (eligible is None or lr in eligible)]
+    if not complete:
+        raise ValueError(f"no learning rate of {rates} is among the eligible {eligible}")
+    return max(complete, key=lambda lr: (statistics.fmean(late[(a, lr)] for a in present), -lr))
+
+
+def grid_runs(algos: list[str]) -> list[tuple[str, int, float, int]]:
+    """The first stage of ``--full``: ``(algorithm, N, lr, seed)`` of the learning-rate grid at N = GRID_REUSE."""
+    return [(a, GRID_REUSE, lr, seed) for lr in LR_GRID for seed in GRID_SEEDS for a in algos]
+
+
+def verdict_runs(algos: list[str], common: float) -> list[tuple[str, int, float, int]]:
+    """The second stage of ``--full``, at the common rate: the :data:`VERDICT` pair completed to FULL_SEEDS at
+    N = GRID_REUSE, and at the other N of FULL_REUSE with GRID_SEEDS."""
+    pair = [a for a in algos if a in VERDICT]
+    more_seeds = [s for s in FULL_SEEDS if s not in GRID_SEEDS]
+    at_grid_reuse = [(a, GRID_REUSE, common, seed) for seed in more_seeds for a in pair]
+    other = [(a, n, common, seed) for n in FULL_REUSE if n != GRID_REUSE for seed in GRID_SEEDS for a in pair]
+    return at_grid_reuse + other

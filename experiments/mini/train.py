@@ -1,0 +1,413 @@
+"""One run of the miniature experiment: RLVR with rollout reuse N on the tiny model, one algorithm, one seed.
+
+The schedule is the paper's (arXiv 2609.35433): each training step (``collect``) samples a rollout batch of
+P prompts × G responses from the current policy, scores it with the verifier, computes GRPO advantages with verl's
+``compute_advantage`` and recomputes π_old once (no gradient); then N mini-batches of P/N prompts are applied one
+after another (``update``, ppo_epochs 1), so the j-th mini-batch is j−1 optimizer steps stale. Each update calls the
+preset's loss from verl's registry (``respo_verl.verl.experiment``) and steps AdamW.
+
+Logging (verl's file-logger format): one JSON line ``{"step": <optimizer step>, "data": {...}}`` per optimizer step,
+``step`` counting optimizer steps from 1; ``data["training/global_step"]`` is verl's training step (rollout batch,
+from 1), so ``step = (training step − 1)·N + j``. verl's own trainer writes one line per training step with ``step`` =
+training step; a reader compares the two by optimizer steps (a verl line covers N of them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from experiments.mini import regime, task
+from experiments.mini.rollout import Rollout, response_log_prob, response_log_prob_no_grad, sample
+from respo_verl.core import kernel_diagnostics
+from respo_verl.core.config import DEFAULT_LOG_W_CLIP
+from respo_verl.core.diagnostics import diagnostic_keys
+from respo_verl.core.kernels import sequence_log_weight
+from respo_verl.core.losses import KernelTerms
+from respo_verl.routing.hf import RoutingReplay
+from respo_verl.verl import experiment
+
+# The sequence log-weight is clamped to ±20 by every kernel; the diagnostics use the same clamp.
+LOG_W_CLIP = DEFAULT_LOG_W_CLIP
+# The paper's optimiser protocol: 5 % linear warm-up of the learning rate, gradient clipping at 1.0.
+WARMUP_SHARE = 0.05
+GRAD_CLIP = 1.0
+PROJECT_NAME = "respo_verl_mini"  # verl's FileLogger writes <root>/<project_name>/<experiment_name>.jsonl
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run.
+
+    Attributes:
+        algorithm: preset name (``grpo``, ``gspo``, ``vespo``, ``respo``).
+        reuse: N, mini-batches per rollout batch.
+        seed: RL seed (prompts, sampling); the base model is shared by all seeds.
+        optimizer_steps: total updates (a multiple of N); training steps = optimizer_steps / N.
+        rollout_prompts: P, prompts per rollout batch (a multiple of N).
+        group_size: G, responses per prompt.
+        lr: peak AdamW learning rate.
+        warm_seed: seed of the warm start the run starts from (recorded in the run's name).
+        weight_decay: AdamW weight decay (the paper's 0.1).
+        routing_replay: R2 routing replay (MoE models): the experts chosen in the π_old forward are replayed in
+            every update forward of the same rollout batch, so log W carries no expert flips (docs/routing-replay.md).
+    """
+
+    algorithm: str
+    reuse: int
+    seed: int
+    optimizer_steps: int
+    rollout_prompts: int
+    group_size: int = 8
+    lr: float = 1e-4
+    warm_seed: int = 0
+    weight_decay: float = 0.1
+    routing_replay: bool = False
+
+    @property
+    def training_steps(self) -> int:
+        return self.optimizer_steps // self.reuse
+
+    @property
+    def name(self) -> str:
+        replay = "_r2" if self.routing_replay else ""
+        return f"{self.algorithm}_n{self.reuse}_lr{self.lr:.0e}_w{self.warm_seed}_seed{self.seed}{replay}"
+
+
+@dataclass
+class UpdateEvent:
+    """What an update callback sees (tests instrument the schedule with it).
+
+    Attributes:
+        training_step, minibatch: 1-based training step and 0-based mini-batch index j (staleness j).
+        old_log_prob: (B, T) π_old of the whole rollout batch (the same tensor for every mini-batch of a step).
+        rows: the mini-batch's rows of the rollout batch.
+        log_prob: (b, T) π_θ of the mini-batch before this update.
+        params_before: parameter checksum before the optimizer step.
+        params_after: parameter checksum after it.
+        rollout: the mini-batch's rows of the rollout batch.
+        policy: the policy after this update (diagnostics may run a forward with it, without gradient).
+    """
+
+    training_step: int
+    minibatch: int
+    old_log_prob: torch.Tensor
+    rows: slice
+    log_prob: torch.Tensor
+    params_before: float
+    params_after: float
+    rollout: Rollout
+    policy: torch.nn.Module
+
+
+@dataclass
+class RunResult:
+    """Per-optimizer-step series of one run (also in its JSONL log).
+
+    Attributes:
+        stale_single_token_shares: per starved positive of the stale half of the rollout batches, the share of its
+            log W carried by its most negative token (``regime.update_counts``).
+    """
+
+    config: RunConfig
+    log_path: Path
+    records: list[dict[str, Any]] = field(default_factory=list)
+    stale_single_token_shares: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def regime(self) -> regime.RegimeCheck:
+        return regime.summarise(self.config.reuse, self.records, self.stale_single_token_shares)
+
+
+def _checksum(model: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def _lr_at(step: int, cfg: RunConfig) -> float:
+    warmup = max(1, math.ceil(WARMUP_SHARE * cfg.optimizer_steps))
+    return cfg.lr * min(1.0, step / warmup)
+
+
+def effective_coefficient(
+    grad_log_prob: torch.Tensor, adv_seq: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-sequence gradient coefficient of any loss, read from ∂loss/∂log π_θ, in token-mean units.
+
+    For a loss whose gradient on token t of response i is −c_it·A_i/n (token-mean, n = valid tokens of the
+    mini-batch), this returns φ_i = n·Σ_t|g_it| / (|A_i|·n_i) = mean_t c_it: exactly the kernel φ(W_i) for ReSPO and
+    VESPO, the mean per-token weight (r_t where unclipped, 0 where clipped) for PPO-clip, and for GSPO its sequence
+    weight times its seq-mean-token-mean re-weighting by length. Sequences with A_i = 0 get 0.
+
+    Args:
+        grad_log_prob: (B, T) gradient of the loss with respect to the log-probabilities.
+        adv_seq: (B,) sequence advantages.
+        response_mask: (B, T) bool.
+
+    Returns:
+        (B,) coefficients.
+    """
+    n_tok_seq = response_mask.sum(dim=1)  # (B,)
+    mass_seq = torch.where(response_mask, grad_log_prob.abs(), 0.0).sum(dim=1)  # (B,)
+    denom = adv_seq.abs() * n_tok_seq  # (B,)
+    n_total = n_tok_seq.sum().clamp(min=1)
+    return torch.where(denom > 0, mass_seq * n_total / denom.clamp(min=1e-30), 0.0)
+
+
+def starvation_diagnostics(
+    log_prob: torch.Tensor,
+    grad_log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> dict[str, float]:
+    """The starvation diagnostics for any algorithm, through ``respo_verl.core.kernel_diagnostics``.
+
+    φ is the effective coefficient of :func:`effective_coefficient`; the starvation mass share is then each
+    sequence's share of Σ|∂loss/∂log π_θ|, the gradient the loss actually gave it.
+    """
+    with torch.no_grad():
+        log_w_seq, clamped_seq = sequence_log_weight(log_prob, old_log_prob, response_mask, LOG_W_CLIP)  # (B,), (B,)
+        n_tok_seq = response_mask.sum(dim=1)  # (B,)
+        adv_seq = torch.where(response_mask, advantages, 0.0).sum(dim=1) / n_tok_seq.clamp(min=1)  # (B,)
+        phi_seq = effective_coefficient(grad_log_prob, adv_seq, response_mask)  # (B,)
+        terms = KernelTerms(
+            loss_tok=torch.zeros_like(log_prob),
+            response_mask=response_mask,
+            log_w_seq=log_w_seq,
+            clamped_seq=clamped_seq,
+            phi_seq=phi_seq,
+            adv_seq=adv_seq,
+            n_tok_seq=n_tok_seq,
+            nonfinite_counts=torch.zeros(3),
+        )
+        values = kernel_diagnostics(terms).tolist()
+    return {f"mini/diag/{k}": v for k, v in zip(diagnostic_keys(), values, strict=True)}
+
+
+def _masked_mean(values: torch.Tensor, member: torch.Tensor) -> float:
+    return float(values[member].float().mean()) if bool(member.any()) else math.nan
+
+
+def rollout_metrics(rollout: Rollout, reward: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+    """verl's data metrics of the rollout batch (verl's names) plus ours under ``mini/``."""
+    lengths = rollout.response_mask.sum(dim=1).float()  # (B,)
+    correct = reward > 0  # (B,)
+    adv_valid = advantages[rollout.response_mask]
+    ending = task.ending(rollout.response)  # (B,)
+    ended_by_eos = (rollout.response == task.EOS).any(dim=1)  # (B,)
+    return {
+        # verl: score = sequence score from the reward function (here ±1), rewards = score without KL penalty.
+        "critic/score/mean": float(reward.mean()),
+        "critic/score/max": float(reward.max()),
+        "critic/score/min": float(reward.min()),
+        "critic/rewards/mean": float(reward.mean()),
+        "critic/rewards/max": float(reward.max()),
+        "critic/rewards/min": float(reward.min()),
+        "critic/advantages/mean": float(adv_valid.mean()),
+        "critic/advantages/max": float(adv_valid.max()),
+        "critic/advantages/min": float(adv_valid.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        # verl's share of responses that reach the length budget without <eos> (the grammar ends them before).
+        "response_length/clip_ratio": float(((lengths >= task.MAX_RESPONSE_LEN) & ~ended_by_eos).float().mean()),
+        # The paper's score (reward + 1) / 2 of the rollout batch.
+        "mini/score": float(((reward + 1) / 2).mean()),
+        "mini/response_length/correct_mean": _masked_mean(lengths, correct),
+        "mini/response_length/wrong_mean": _masked_mean(lengths, ~correct),
+        "mini/gave_up_frac": float((ending == task.Ending.GAVE_UP).float().mean()),
+        "mini/slipped_frac": float((ending == task.Ending.SLIPPED).float().mean()),
+        "mini/steps_written/wrong_mean": _masked_mean(task.steps_written(rollout.response).float(), ~correct),
+    }
+
+
+@dataclass
+class RolloutBatch:
+    """One training step's data: sampled, scored, with advantages and π_old (and R2 routes when replaying).
+
+    Attributes:
+        training_step: 1-based.
+        rollout: P·G responses.
+        reward: (B,) ±1.
+        advantages: (B, T) from verl's ``compute_advantage``.
+        old_log_prob: (B, T) π_old, recomputed once before the first update (verl's default).
+        routes: R2 routes of the π_old forward per layer, (B, L, k); None without routing replay.
+        metrics: rollout metrics and timings logged with every update of the batch.
+    """
+
+    training_step: int
+    rollout: Rollout
+    reward: torch.Tensor
+    advantages: torch.Tensor
+    old_log_prob: torch.Tensor
+    routes: dict[int, torch.Tensor] | None
+    metrics: dict[str, float]
+
+
+@dataclass
+class _RunState:
+    """What persists across the updates of a run."""
+
+    cfg: RunConfig
+    setup: experiment.AlgorithmSetup
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    replay: RoutingReplay | None
+    prompt_gen: torch.Generator
+    sample_gen: torch.Generator
+    step: int = 0
+
+
+def collect(state: _RunState, training_step: int) -> RolloutBatch:
+    """Sample a rollout batch from the current policy, score it, compute advantages and π_old."""
+    cfg, model = state.cfg, state.model
+    t0 = time.perf_counter()
+    model.eval()
+    prompts = task.sample_prompts(cfg.rollout_prompts, state.prompt_gen).repeat_interleave(cfg.group_size)
+    rollout = sample(model, prompts, task.MAX_RESPONSE_LEN, state.sample_gen)
+    t_gen = time.perf_counter() - t0
+    reward = task.verify(rollout.response)  # (B,)
+    mask = rollout.response_mask  # (B, T)
+    token_level_rewards = torch.zeros(mask.shape)  # (B, T)
+    token_level_rewards[torch.arange(mask.shape[0]), mask.sum(dim=1) - 1] = reward
+    uids = [f"{training_step}-{i // cfg.group_size}" for i in range(mask.shape[0])]
+    advantages = experiment.compute_advantages(state.setup, token_level_rewards, mask, uids)  # (B, T)
+    t1 = time.perf_counter()
+    routes = None
+    with torch.no_grad():
+        if state.replay is None:
+            old_log_prob = response_log_prob_no_grad(model, rollout)  # (B, T)
+        else:
+            with state.replay.record() as flat_routes:  # R2: record the π_old forward's experts
+                old_log_prob = response_log_prob(model, rollout)  # (B, T)
+            seq_len = rollout.prompts.input_ids.shape[1] + rollout.response.shape[1]
+            routes = {layer: r.view(-1, seq_len, r.shape[-1]) for layer, r in flat_routes.items()}  # (B, L, k)
+    metrics = rollout_metrics(rollout, reward, advantages)
+    metrics |= {"timing_s/gen": t_gen, "timing_s/old_log_prob": time.perf_counter() - t1}
+    return RolloutBatch(training_step, rollout, reward, advantages, old_log_prob, routes, metrics)
+
+
+def update(
+    state: _RunState, batch: RolloutBatch, j: int, on_update: Callable[[UpdateEvent], None] | None
+) -> tuple[dict[str, Any], list[float]]:
+    """Apply mini-batch ``j`` of ``batch`` (j optimizer steps stale) with the preset's registered loss.
+
+    Returns:
+        The update's log data and the single-token shares of its starved positives (``regime.update_counts``).
+    """
+    cfg, model, optimizer = state.cfg, state.model, state.optimizer
+    t0 = time.perf_counter()
+    mb_rows = cfg.rollout_prompts // cfg.reuse * cfg.group_size
+    rows = slice(j * mb_rows, (j + 1) * mb_rows)
+    mb = batch.rollout.rows(rows)
+    mb_mask = mb.response_mask
+    old_log_prob, advantages = batch.old_log_prob[rows], batch.advantages[rows]
+    lr = _lr_at(state.step + 1, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    model.train()
+    if state.replay is None:
+        log_prob = response_log_prob(model, mb)  # (b, T)
+    else:
+        mb_routes = {layer: r[rows] for layer, r in batch.routes.items()}  # (b, L, k)
+        tokens = torch.cat([mb.prompts.attention_mask.bool(), mb_mask], dim=1)  # (b, L): not padding
+        with state.replay.replay(mb_routes, token_mask=tokens):
+            log_prob = response_log_prob(model, mb)  # (b, T)
+    log_prob.retain_grad()
+    experiment.set_global_batch_info(state.setup.actor_config, int(mb_mask.sum()), mb_mask.shape[0])
+    pg_loss, loss_metrics = experiment.policy_loss(state.setup, old_log_prob, log_prob, advantages, mb_mask)
+    optimizer.zero_grad(set_to_none=True)
+    pg_loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP))
+    before = _checksum(model) if on_update is not None else 0.0
+    optimizer.step()
+    state.step += 1
+    grad_log_prob, log_prob = log_prob.grad, log_prob.detach()
+    diag = starvation_diagnostics(log_prob, grad_log_prob, old_log_prob, advantages, mb_mask)
+    counts, shares = regime.update_counts(log_prob, old_log_prob, advantages, mb_mask)
+    if on_update is not None:
+        event = UpdateEvent(
+            batch.training_step, j, batch.old_log_prob, rows, log_prob, before, _checksum(model), mb, model
+        )
+        on_update(event)
+    data = {
+        "training/global_step": batch.training_step,
+        "mini/optimizer_step": state.step,
+        "mini/minibatch": j,
+        "mini/reuse": cfg.reuse,
+        **batch.metrics,
+        "mini/score_minibatch": float(((batch.reward[rows] + 1) / 2).mean()),
+        "actor/pg_loss": float(pg_loss.detach()),
+        "actor/lr": lr,
+        "actor/grad_norm": grad_norm,
+        "mini/grad_clipped": float(grad_norm > GRAD_CLIP),
+        **loss_metrics,
+        **diag,
+        **counts,
+        **(state.replay.diagnostics() if state.replay is not None else {}),
+        "timing_s/update_actor": time.perf_counter() - t0,
+    }
+    return data, shares
+
+
+def train(
+    cfg: RunConfig,
+    base_model: torch.nn.Module,
+    log_dir: Path,
+    on_update: Callable[[UpdateEvent], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Run RL from a copy of ``base_model`` and log every optimizer step.
+
+    Args:
+        cfg: the run.
+        base_model: the warm-started model (not modified).
+        log_dir: verl's ``VERL_FILE_LOGGER_ROOT``; the log is ``<log_dir>/respo_verl_mini/<cfg.name>.jsonl``.
+        on_update: called after every optimizer step (instrumentation).
+        on_step: called with the optimizer step after every update (progress bars).
+    """
+    import copy
+
+    setup = experiment.load_algorithm(cfg.algorithm)
+    model = copy.deepcopy(base_model).train()
+    torch.manual_seed(cfg.seed)
+    state = _RunState(
+        cfg=cfg,
+        setup=setup,
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay),
+        replay=RoutingReplay(model) if cfg.routing_replay else None,
+        prompt_gen=torch.Generator().manual_seed(cfg.seed),
+        sample_gen=torch.Generator().manual_seed(cfg.seed + 1_000_003),  # independent stream for sampling
+    )
+    log_path = Path(log_dir) / PROJECT_NAME / f"{cfg.name}.jsonl"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    result = RunResult(cfg, log_path)
+    start = time.perf_counter()
+    try:
+        with open(log_path, "wb", buffering=0) as log:
+            for training_step in range(1, cfg.training_steps + 1):
+                batch = collect(state, training_step)
+                for j in range(cfg.reuse):
+                    data, shares = update(state, batch, j, on_update)
+                    data["mini/wall_time_s"] = time.perf_counter() - start
+                    record = {"step": state.step, "data": data}
+                    log.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+                    result.records.append(record)
+                    if j >= cfg.reuse // 2:
+                        result.stale_single_token_shares += shares
+                    if on_step is not None:
+                        on_step(state.step)
+    finally:
+        if state.replay is not None:
+            state.replay.remove()  # the caller's model is a copy, but hooks must not outlive a failed run either
+    result.wall_s = time.perf_counter() - start
+    return result

@@ -1,0 +1,188 @@
+"""The ``device=cpu`` preset seen from the driver: is a job a CPU job, can the CPU path run it, and its kit.
+
+Imports neither verl nor torch (the checks run before anything heavy). :func:`respo_verl.cpu.runtime.enable` is what
+switches a process to verl on CPU; :func:`prepare_driver` calls it for the driver of ``respo_verl.main_ppo``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from respo_verl.cpu import ROLLOUT_NAME
+from respo_verl.entry_points import CPU_MODULE
+
+PRESET = "+device=cpu"
+MEGATRON_PRESET = "+device=cpu_megatron"
+MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
+# Attention implementations of transformers that run on CPU tensors.
+CPU_ATTENTION = ("sdpa", "eager")
+# verl's file logger reads these in the TaskRunner; the driver forwards them (absolute) through Ray's runtime env.
+FILE_LOGGER_ENV = ("VERL_FILE_LOGGER_ROOT", "VERL_FILE_LOGGER_PATH")
+
+
+class CPUJobError(ValueError):
+    """A job the CPU path cannot run, said in one line that names what to change."""
+
+
+def _select(cfg: Any, key: str, default: Any = None) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=default)
+
+
+def is_cpu_job(cfg: Any) -> bool:
+    """True when the job uses the CPU rollout (what the ``device=cpu`` preset selects)."""
+    return _select(cfg, "actor_rollout_ref.rollout.name") == ROLLOUT_NAME
+
+
+def check_cpu_job(cfg: Any) -> None:
+    """Raise :class:`CPUJobError` for a job that asks for the CPU but cannot run there.
+
+    - ``trainer.device=cpu`` without the preset (verl would look for CUDA, NCCL and vLLM);
+    - the preset without ``VERL_USE_EXTERNAL_MODULES`` naming the CPU module in Ray's runtime env (workers would not
+      load it: the runtime env replaces the shell's value);
+    - more worker processes (``trainer.n_gpus_per_node`` x ``trainer.nnodes``) than Ray's fake GPU slots;
+    - ``model_engine=megatron`` without the Megatron CPU preset, that preset with another engine, a Megatron
+      setting that megatron-core cannot run on CPU (see :data:`MEGATRON_CPU_SETTINGS`), or Transformer Engine's
+      attention switches (:data:`TE_ATTENTION_ENV`) left on;
+    - an attention implementation (FSDP engine) or a head size that the CPU path cannot run.
+    """
+    device = _select(cfg, "trainer.device")
+    if not is_cpu_job(cfg):
+        if device == "cpu":
+            raise CPUJobError(
+                f"trainer.device=cpu needs the CPU preset: add {PRESET} (it sets the CPU platform, gloo, the hf_cpu "
+                "rollout and the tiny model kit); see docs/cpu.md"
+            )
+        return
+    if device != "cpu":
+        raise CPUJobError(f"{PRESET} runs on the CPU only, got trainer.device={device}")
+    modules = str(_select(cfg, f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}", "") or "")
+    if CPU_MODULE not in [m.strip() for m in modules.split(",")]:
+        raise CPUJobError(
+            f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}={modules!r} must name {CPU_MODULE} (and the "
+            f"plugin) with {PRESET}: this value replaces the shell's in every Ray process"
+        )
+    slots = _select(cfg, "ray_kwargs.ray_init.num_gpus")
+    workers = int(_select(cfg, "trainer.n_gpus_per_node", 1)) * int(_select(cfg, "trainer.nnodes", 1))
+    if slots is not None and workers > int(slots):
+        raise CPUJobError(
+            f"trainer.n_gpus_per_node x trainer.nnodes = {workers} worker processes, but "
+            f"ray_kwargs.ray_init.num_gpus={slots}: on CPU each worker takes one of these (fake) GPU slots; set "
+            f"ray_kwargs.ray_init.num_gpus={workers}"
+        )
+    strategies = {_select(cfg, f"actor_rollout_ref.{r}.strategy") for r in ("actor", "ref")}
+    if _select(cfg, "model_engine") == "megatron" or "megatron" in strategies:
+        _check_megatron_cpu_job(cfg, strategies)
+    else:
+        attention = _select(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
+        if attention not in CPU_ATTENTION:
+            raise CPUJobError(
+                f"actor_rollout_ref.model.override_config.attn_implementation={attention} does not run on CPU; "
+                f"use one of {', '.join(CPU_ATTENTION)}"
+            )
+    _check_model_shape(_select(cfg, "actor_rollout_ref.model.path"))
+
+
+# What megatron-core 0.16.1 and mbridge need to run on CPU (no Transformer Engine, no CUDA), per role
+# (actor_rollout_ref.<role>.megatron.<key>): the values the +device=cpu_megatron preset sets.
+MEGATRON_CPU_SETTINGS = {
+    "vanilla_mbridge": (True, "HF weights go through mbridge; Megatron-Bridge is not installed on CPU"),
+    "dtype": ("fp32", "megatron-core's bf16/fp16 optimizer accepts CUDA tensors only"),
+    "override_transformer_config.attention_backend": ("local", "flash and Transformer Engine attention need CUDA"),
+    "override_transformer_config.moe_grouped_gemm": (False, "grouped GEMMs need Transformer Engine"),
+    "override_transformer_config.gradient_accumulation_fusion": (False, "a CUDA extension"),
+    "pad_bshd_to_minibatch_max": (
+        False,
+        "routing replay on a padded batch lays routes out for each micro-batch's own longest sample",
+    ),
+}
+
+
+def _check_megatron_cpu_job(cfg: Any, strategies: set) -> None:
+    if _select(cfg, "model_engine") != "megatron" or strategies != {"megatron"}:
+        raise CPUJobError(
+            f"verl's Megatron engine on CPU needs {MEGATRON_PRESET} together with model_engine=megatron (got "
+            f"model_engine={_select(cfg, 'model_engine')}, actor/ref strategy {'/'.join(sorted(map(str, strategies)))}"
+            f"; {PRESET} is the FSDP engine's preset); see docs/cpu-megatron.md"
+        )
+    _check_attention_env(cfg)
+    for role in ("actor", "ref"):
+        for key, (value, reason) in MEGATRON_CPU_SETTINGS.items():
+            full_key = f"actor_rollout_ref.{role}.megatron.{key}"
+            got = _select(cfg, full_key)
+            if got != value and not (key == "dtype" and str(got) in ("fp32", "float32")):
+                raise CPUJobError(f"{full_key}={got} does not run on CPU ({reason}); {MEGATRON_PRESET} sets {value}")
+
+
+# Transformer Engine's attention switches. megatron-core asserts that each is unset or 0 when it builds a model with
+# the local attention backend, and a process that built a model with another backend leaves them set to 1.
+TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def _check_attention_env(cfg: Any) -> None:
+    runtime_env = _select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+    for name in TE_ATTENTION_ENV:
+        for where, value in (("the environment", os.environ.get(name)), ("Ray's runtime env", runtime_env.get(name))):
+            if value not in (None, "0", 0):
+                raise CPUJobError(
+                    f"{name}={value} in {where} conflicts with the local attention backend of {MEGATRON_PRESET} "
+                    "(megatron-core requires it unset or 0); unset it"
+                )
+
+
+def _check_model_shape(path: Any) -> None:
+    """The head size of the model at ``path`` (when it is a local HF folder) must suit rotary embeddings on CPU."""
+    config_file = Path(str(path)).expanduser() / "config.json"
+    if not config_file.is_file():
+        return  # a kit that is not built yet, or a hub name: checked when it is loaded
+    hf = json.loads(config_file.read_text())
+    heads = hf.get("num_attention_heads")
+    head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if heads and hf.get("hidden_size") else None)
+    if head_dim is None:
+        return
+    if head_dim % 2:
+        raise CPUJobError(
+            f"{config_file}: head_dim={head_dim} is odd; rotary position embeddings need an even head size"
+        )
+
+
+def kit_variant(cfg: Any) -> Path | None:
+    """The kit folder the job's model path points into (``<kit root>/<variant>``), or None for another model."""
+    from respo_verl.cpu.kit.build import kit_root
+
+    model = Path(str(_select(cfg, "actor_rollout_ref.model.path", ""))).expanduser()
+    root = kit_root().resolve()
+    if model.name == "model" and model.parent.parent.resolve() == root:
+        return model.parent
+    return None
+
+
+def prepare_driver(cfg: Any) -> None:
+    """Make the driver a CPU process, build the job's kit if it is missing, forward the file-logger location."""
+    from respo_verl.cpu.runtime import enable
+
+    enable()
+    variant = kit_variant(cfg)
+    if variant is not None:
+        from respo_verl.cpu.kit.build import KitSpec, build_kit
+
+        build_kit(KitSpec(moe=variant.name == "moe"), root=variant.parent)
+    forward_file_logger_env(cfg)
+
+
+def forward_file_logger_env(cfg: Any) -> None:
+    """Copy ``VERL_FILE_LOGGER_ROOT``/``_PATH`` of the driver into Ray's runtime env, as absolute paths."""
+    from omegaconf import open_dict
+
+    env_vars = _select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    if env_vars is None:
+        return
+    with open_dict(env_vars):
+        for name in FILE_LOGGER_ENV:
+            value = os.environ.get(name)
+            if value and name not in env_vars:
+                env_vars[name] = str(Path(value).expanduser().resolve())

@@ -1,1 +1,0 @@
-"""megatron-core glue: the only package that imports megatron.core (routing-replay diagnostics, CPU helpers)."""

@@ -1,0 +1,183 @@
+"""Run megatron-core 0.16.1 models on CPU: neutralise the CUDA-only calls a CPU forward/backward reaches.
+
+Written against: megatron-core 0.16.1 (torch 2.13 CPU build, Transformer Engine absent).
+
+Why: megatron-core hard-codes CUDA in a few places that a CPU forward and backward of a GPTModel with MoE reach,
+although the computation itself runs on any device. :data:`CPU` (``CPU.apply()``, ``CPU.remove()``) replaces
+exactly those:
+
+- ``torch.cuda.current_device`` → ``"cpu"`` (buffers are allocated on it; the router's ``gating()`` moves its
+  weight there);
+- ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``stream`` → objects whose methods do nothing (the MoE
+  token dispatchers record and wait on them);
+- the model-parallel CUDA RNG tracker's ``fork`` → a null context, its ``get_states`` / ``set_states`` → empty; CUDA
+  RNG state get/set (activation recompute) → the CPU generator's state, so a recompute replays the same stream;
+- ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` → ``None`` when Transformer Engine is absent (0.16.1
+  reads the name without a guard);
+- the modules listed in ``_CUDA_LITERAL_MODULES`` (pipeline schedules, MoE utilities, the optimizer, ...) create
+  token counters, metric trackers and the optimizer's loss-scale, found-inf and grad-norm scalars with
+  ``device='cuda'`` written out: their module-level name ``torch`` becomes a view of torch whose tensor factories
+  (``tensor``, ``zeros``, ``ones``, ``empty``, ``full``) put ``device='cuda'`` tensors on the CPU (everything else is
+  torch itself);
+- ``maybe_move_tensor_to_cpu`` as the MoE token dispatchers use it: on a GPU it brings the all-to-all split sizes to
+  the host as numpy arrays, which ``torch.distributed.all_to_all_single`` takes as its size lists; tensors already on
+  the CPU were returned unchanged, and ``all_to_all_single`` rejects a tensor there (expert parallelism > 1). The CPU
+  version returns them as numpy arrays too;
+- ``clip_grad_by_total_norm_fp32`` as the optimizer module uses it: megatron-core's asserts
+  ``param.grad.type() == 'torch.cuda.FloatTensor'`` before it scales the gradients; the CPU version checks for fp32
+  gradients instead and scales them by the same ``max_norm / (total_norm + 1e-6)`` when that is below 1 (the norm
+  itself is still megatron's ``get_grad_norm_fp32``).
+
+It is a stand-in for the device, not for megatron: every megatron code path runs as written. It is process-global
+(it patches ``torch.cuda``), so apply it only in a process that never uses a GPU: the CPU Megatron engine
+(``respo_verl.cpu.megatron``) does, when it is built. Nothing happens on import. Starting a process group and
+megatron's model-parallel state stays with the caller.
+
+Delete when: megatron-core runs on CPU without it (device-agnostic current device, streams and RNG tracker), or
+when no CPU test or benchmark drives megatron-core any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+from respo_verl.patches import Patch
+
+
+class _NoOpEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NoOpStream(_NoOpEvent):
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpEvent()
+
+
+# megatron-core modules that write device='cuda' into tensor factories on the path of a training step (pipeline
+# schedules' token counters, MoE metric trackers, broadcast sizes, the optimizer's scalars).
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.utils",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+class _CPUTorch:
+    """``torch`` as a module-level name, with ``device='cuda'`` in the tensor factories meaning the CPU."""
+
+    def __init__(self, torch_module):
+        self._torch = torch_module
+        for name in _FACTORIES:
+            setattr(self, name, self._on_cpu(getattr(torch_module, name)))
+
+    @staticmethod
+    def _on_cpu(factory):
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        make.__name__ = factory.__name__
+        return make
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+# megatron-core's clip_grads.py: the epsilon added to the total norm before the clip coefficient is formed.
+_CLIP_EPS = 1.0e-6
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` for CPU tensors (see the module docstring)."""
+    import torch
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    name = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, name).detach() for p in parameters if getattr(p, name, None) is not None]
+    wrong = sorted({str(g.dtype) for g in grads if g.dtype not in (torch.float32, torch.bfloat16)})
+    if wrong or (not use_decoupled_grad and any(g.dtype != torch.float32 for g in grads)):
+        raise TypeError(f"gradient clipping expects fp32 gradients, got {wrong or 'bf16'}")
+    clip_coeff = max_norm / (total_norm + _CLIP_EPS)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _host_copy(original):
+    """megatron-core's ``maybe_move_tensor_to_cpu``, which also hands CPU tensors back as numpy when asked to."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        import torch
+
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+def _install(patch: Patch) -> None:
+    import torch
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    tracker = megatron_random.get_cuda_rng_tracker()
+    no_cuda = "megatron-core calls it on every device; on CPU it must not reach CUDA"
+    patch.replace(torch.cuda, "current_device", lambda: "cpu", no_cuda)
+    patch.replace(torch.cuda, "Stream", _NoOpStream, no_cuda)
+    patch.replace(torch.cuda, "Event", _NoOpEvent, no_cuda)
+    patch.replace(torch.cuda, "current_stream", lambda *a, **k: _NoOpStream(), no_cuda)
+    patch.replace(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext(), no_cuda)
+    patch.replace(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state(), "recompute saves RNG state")
+    patch.replace(megatron_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state(), no_cuda)
+    patch.replace(megatron_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state), no_cuda)
+    patch.replace(tracker, "fork", lambda *a, **k: contextlib.nullcontext(), "the CUDA RNG tracker forks CUDA state")
+    patch.replace(tracker, "get_states", lambda: {}, "the CUDA RNG tracker has no CPU state")
+    patch.replace(tracker, "set_states", lambda states: None, "the CUDA RNG tracker has no CPU state")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patch.replace(moe_utils, "te_general_gemm", None, "0.16.1 reads the name without a guard")
+    patch.replace(
+        megatron_optimizer,
+        "clip_grad_by_total_norm_fp32",
+        _clip_grad_by_total_norm_fp32,
+        "megatron-core asserts CUDA gradient types before it scales them",
+    )
+    patch.replace(
+        token_dispatcher,
+        "maybe_move_tensor_to_cpu",
+        _host_copy(token_dispatcher.maybe_move_tensor_to_cpu),
+        "all-to-all split sizes must reach torch as host lists",
+    )
+    cpu_torch = _CPUTorch(torch)
+    for module_name in _CUDA_LITERAL_MODULES:
+        patch.replace(importlib.import_module(module_name), "torch", cpu_torch, "device='cuda' written out")
+
+
+CPU = Patch("megatron-core on CPU: CUDA-only calls of a forward/backward", "megatron-core", "0.16.1", _install)

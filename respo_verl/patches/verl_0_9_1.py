@@ -1,0 +1,235 @@
+"""Patches of verl 0.9.1, each a :class:`respo_verl.patches.Patch` that refuses any other verl version.
+
+All three serve verl on a CPU machine; none is applied on import.
+
+- :data:`GLOO_DEFAULT_BACKEND`, applied by the CPU runtime (``respo_verl.cpu.runtime.enable``).
+  ``verl.utils.distributed.initialize_global_process_group_ray`` defaults its backend to
+  ``"cpu:gloo,<device>:<collective backend>"``; on the CPU platform that is ``"cpu:gloo,cpu:gloo"``, which torch
+  rejects ("Duplicate device type cpu"). ``verl.workers.engine_workers`` calls it without a backend and imports it by
+  name, so the patch rebinds the name in both modules. Only the default changes: an explicit ``backend`` passes
+  through, and on any platform other than CPU verl's function runs unchanged.
+  Delete when: verl builds the default backend without repeating the ``cpu`` device type.
+- :data:`FP32_MEGATRON_CONFIG`, applied by the CPU runtime. ``McoreEngineConfig.__post_init__``
+  (``verl/workers/config/engine.py``) accepts ``dtype`` bfloat16 or float16 only. With bf16 parameters
+  megatron-core wraps Adam in ``Float16OptimizerWithFloat16Params``, which accepts parameters by their CUDA type name
+  only, so a CPU run needs fp32 parameters (megatron-core's ``FP32Optimizer``); fp32 is also what makes the
+  rollout's and the trainer's log-probs comparable. verl's own check still runs on every other value.
+  Delete when: verl's Megatron engine config accepts fp32.
+- :data:`MEGATRON_ENGINE_ON_CPU`, applied by the CPU Megatron engine when it is built
+  (``respo_verl.cpu.megatron``), so a process that never builds one is left alone. In
+  ``verl/workers/engine/megatron/transformer_impl.py`` and ``verl/models/mcore/model_forward.py``, module functions
+  that the engine's methods call by name:
+
+  - ``load_megatron_model_to_gpu`` / ``offload_megatron_model_to_cpu`` become a check that every parameter is on the
+    host (:func:`parameters_stay_on_the_host`);
+  - the padding mask of verl's bshd forward becomes the causal mask megatron-core's local attention needs
+    (:func:`local_attention_mask`), and back (:func:`padding_mask`);
+  - verl's R2 record / R3 replay get the route layout of a padded (bshd) batch (:func:`seq_major_routes`,
+    :func:`per_sample_routes`).
+
+  Delete when: verl's Megatron engine runs on a CPU platform with megatron-core's local layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from respo_verl.patches import Patch
+
+VERL = "verl"
+VERSION = "0.9.1"
+CPU_BACKEND = "cpu:gloo"
+# PrecisionType's names of float32 (verl/utils/torch_dtypes.py FLOAT_LIST, the strings).
+FP32_NAMES = ("fp32", "float32", "32")
+# A dtype verl's own check accepts, stood in while it runs on an fp32 config.
+_CHECKED_DTYPE = "bfloat16"
+MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+
+
+def _gloo_default_backend(patch: Patch) -> None:
+    from verl.utils import distributed
+    from verl.utils.device import get_device_name
+
+    original = vars(distributed)["initialize_global_process_group_ray"]
+
+    @functools.wraps(original)
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        if backend is None and get_device_name() == "cpu":
+            backend = CPU_BACKEND
+        return original(timeout_second=timeout_second, backend=backend)
+
+    why = "the default backend repeats the cpu device type on the CPU platform"
+    patch.replace(distributed, "initialize_global_process_group_ray", initialize_global_process_group_ray, why)
+
+    def rebind_in_engine_workers() -> None:
+        workers = sys.modules["verl.workers.engine_workers"]
+        if vars(workers).get("initialize_global_process_group_ray") is original:
+            patch.replace(workers, "initialize_global_process_group_ray", initialize_global_process_group_ray, why)
+
+    patch.after_import("verl.workers.engine_workers", rebind_in_engine_workers, "it imports the function by name")
+
+
+GLOO_DEFAULT_BACKEND = Patch(
+    "cpu:gloo default process-group backend on the CPU platform", VERL, VERSION, _gloo_default_backend
+)
+
+
+def _fp32_megatron_config(patch: Patch) -> None:
+    from verl.workers.config.engine import McoreEngineConfig
+
+    original = vars(McoreEngineConfig)["__post_init__"]
+
+    @functools.wraps(original)
+    def __post_init__(self) -> None:
+        if str(self.dtype) not in FP32_NAMES:
+            return original(self)
+        dtype = self.dtype
+        object.__setattr__(self, "dtype", _CHECKED_DTYPE)  # the field is frozen (verl's BaseConfig)
+        try:
+            original(self)
+        finally:
+            object.__setattr__(self, "dtype", dtype)
+
+    patch.replace(McoreEngineConfig, "__post_init__", __post_init__, "verl accepts bf16/fp16 only; CPU needs fp32")
+
+
+FP32_MEGATRON_CONFIG = Patch("McoreEngineConfig accepts dtype fp32", VERL, VERSION, _fp32_megatron_config)
+
+
+def parameters_stay_on_the_host(models, *args, **kwargs) -> None:
+    """verl's ``load_megatron_model_to_gpu`` / ``offload_megatron_model_to_cpu`` on the CPU platform: nothing to move.
+
+    verl's versions move megatron's DDP parameter buffer (``buffer.param_data``), which megatron-core allocates only
+    with the distributed optimizer, and that one accepts CUDA tensors only (``distrib_optimizer.py``:
+    ``model_param.type() == 'torch.cuda.FloatTensor'``). Without it ``param_data`` is None and verl's load fails
+    (``'NoneType' object has no attribute 'storage'``). On the host, parameters already are where they are used.
+    """
+    for chunk in models:
+        for name, param in chunk.named_parameters():
+            if param.device.type != "cpu":
+                raise RuntimeError(f"verl's Megatron engine on the CPU platform found {name} on {param.device}")
+
+
+def local_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """verl's padding mask of the bshd path -> the causal mask megatron-core's local attention applies.
+
+    verl's Megatron forward (``preprocess_bshd_engine``) passes a (batch, seq) boolean mask, True on real tokens,
+    which Transformer Engine's and flash attention's padding-causal kernels take. megatron-core's local
+    ``DotProductAttention`` masks the scores (batch, heads, seq, seq) with the mask it is given (True = masked) and
+    builds the causal mask only when it gets none, so it needs both in one (batch, 1, seq, seq) tensor.
+    """
+    if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
+        return attention_mask  # already a full mask (or none): leave it to megatron
+    seq = attention_mask.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()  # (S, S)
+    visible = attention_mask[:, :, None] & attention_mask[:, None, :] & causal  # (B, S, S), query x key
+    return (~visible)[:, None]  # (B, 1, S, S), True = masked
+
+
+def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The (batch, seq) real-token mask back from :func:`local_attention_mask`'s (its diagonal)."""
+    if attention_mask.dim() != 4:
+        return attention_mask
+    return ~attention_mask.diagonal(dim1=-2, dim2=-1).squeeze(1)  # (B, S)
+
+
+def seq_major_routes(routes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample routes (jagged (batch, len_i, layers, topk)) -> the order the routers of a padded batch see.
+
+    megatron-core's routers see the padded batch's hidden states (seq, batch, hidden) flattened, token (s, b) at row
+    s * batch + b. Returns those rows (seq * batch, layers, topk), zeros on padding, and the (seq * batch,) mask of
+    real tokens (padding keeps its native route and is not counted as replayed).
+    """
+    lengths = routes.offsets().diff()  # (B,)
+    # pad_sequence, not to_padded_tensor: a jagged tensor built from offsets may carry no (or a wrong) max length.
+    padded = torch.nn.utils.rnn.pad_sequence(list(routes.unbind()), batch_first=True)  # (B, S, L, K)
+    batch, seq = padded.shape[:2]
+    valid = torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]  # (B, S)
+    return padded.transpose(0, 1).reshape(seq * batch, *padded.shape[2:]), valid.transpose(0, 1).reshape(-1)
+
+
+def per_sample_routes(seq_major: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`seq_major_routes`: rows (seq * batch, layers, topk) -> jagged (batch, len_i, layers, topk)."""
+    batch, seq = len(lengths), int(lengths.max())
+    if seq_major.shape[0] != seq * batch:
+        raise ValueError(
+            f"router replay on a padded batch: recorded {seq_major.shape[0]} routes, expected {seq} x {batch}"
+        )
+    padded = seq_major.reshape(seq, batch, *seq_major.shape[1:]).transpose(0, 1)  # (B, S, L, K)
+    return torch.nested.as_nested_tensor([padded[i, : int(n)] for i, n in enumerate(lengths)], layout=torch.jagged)
+
+
+def _route_layout_of_padded_batches(patch: Patch, transformer_impl) -> None:
+    """verl's R2 record/replay (and R3 replay) with the layout of a padded (bshd) forward.
+
+    verl 0.9.1 packs the recorded and replayed routes as packed (THD) sequences (``router_replay_utils.py``:
+    ``merge_router_topk_indices`` unpacks what the routers recorded with ``postprocess_thd_engine``,
+    ``set_router_replay_data`` packs the replay data with ``preprocess_thd_engine``), the only layout its Megatron
+    engine runs on a GPU; a padded batch routes seq x batch rows, padding included. Both functions are called here on
+    one "sample" holding the rows in the routers' own order, and the result is turned into per-sample routes
+    (record) or built from them (replay), so verl's own code does the rest.
+    """
+    merge_original = vars(transformer_impl)["merge_router_topk_indices"]
+    replay_original = vars(transformer_impl)["set_router_replay_data"]
+
+    @functools.wraps(merge_original)
+    def merge_router_topk_indices(attention_mask, input_ids, mini_layer_topk_idx_list, *args, **kwargs):
+        if not input_ids.is_nested:
+            return merge_original(attention_mask, input_ids, mini_layer_topk_idx_list, *args, **kwargs)
+        lengths = input_ids.offsets().diff()
+        rows = len(lengths) * int(lengths.max())
+        one_sample = torch.nested.as_nested_tensor([input_ids.values().new_zeros(rows)], layout=torch.jagged)
+        merge_original(attention_mask, one_sample, mini_layer_topk_idx_list, *args, **kwargs)
+        mini_layer_topk_idx_list[-1] = per_sample_routes(mini_layer_topk_idx_list[-1].values(), lengths)
+
+    @functools.wraps(replay_original)
+    def set_router_replay_data(layers_topk_idx, attention_mask, *args, replay_mask=None, **kwargs):
+        if not layers_topk_idx.is_nested:
+            return replay_original(layers_topk_idx, attention_mask, *args, replay_mask=replay_mask, **kwargs)
+        rows, valid = seq_major_routes(layers_topk_idx)
+        if replay_mask is not None:  # R3: the rows verl replays (all but each sample's last), same layout
+            replayed, replayed_valid = seq_major_routes(replay_mask)
+            if replayed.shape != valid.shape or not torch.equal(replayed_valid, valid):
+                raise ValueError(
+                    f"router replay on a padded batch: replay mask of {replayed.shape[0]} rows does not match the "
+                    f"routes' {valid.shape[0]}"
+                )
+            valid = valid & replayed.bool()
+        one_sample = torch.nested.as_nested_tensor([rows], layout=torch.jagged)
+        mask = torch.nested.as_nested_tensor([valid], layout=torch.jagged)
+        return replay_original(one_sample, attention_mask, *args, replay_mask=mask, **kwargs)
+
+    why = "routes are laid out for packed (THD) sequences; the CPU path runs padded (bshd) batches"
+    patch.replace(transformer_impl, "merge_router_topk_indices", merge_router_topk_indices, why)
+    patch.replace(transformer_impl, "set_router_replay_data", set_router_replay_data, why)
+
+
+def _megatron_engine_on_cpu(patch: Patch) -> None:
+    from verl.models.mcore import model_forward
+    from verl.workers.engine.megatron import transformer_impl
+
+    why = "megatron's parameter buffer exists only with the CUDA-only distributed optimizer"
+    for name in ("load_megatron_model_to_gpu", "offload_megatron_model_to_cpu"):
+        patch.replace(transformer_impl, name, parameters_stay_on_the_host, why)
+    preprocess_bshd = vars(model_forward)["preprocess_bshd_engine"]
+    postprocess_bshd = vars(model_forward)["postprocess_bshd_engine"]
+
+    @functools.wraps(preprocess_bshd)
+    def preprocess_bshd_engine(*args, **kwargs):
+        input_ids, attention_mask, position_ids = preprocess_bshd(*args, **kwargs)
+        return input_ids, local_attention_mask(attention_mask), position_ids
+
+    @functools.wraps(postprocess_bshd)
+    def postprocess_bshd_engine(output, attention_mask, *args, **kwargs):
+        return postprocess_bshd(output, padding_mask(attention_mask), *args, **kwargs)
+
+    why = "megatron-core's local attention needs the causal mask with the padding in it"
+    patch.replace(model_forward, "preprocess_bshd_engine", preprocess_bshd_engine, why)
+    patch.replace(model_forward, "postprocess_bshd_engine", postprocess_bshd_engine, why)
+    _route_layout_of_padded_batches(patch, transformer_impl)
+
+
+MEGATRON_ENGINE_ON_CPU = Patch("verl's Megatron engine on padded CPU batches", VERL, VERSION, _megatron_engine_on_cpu)

@@ -1,0 +1,393 @@
+"""The layout rules megatron-core, vLLM and verl enforce at start-up, checked before anything starts.
+
+Each rule has a stable id (used in messages and tests) and names the config keys involved. Where the enforcing
+code lives is given so a rule can be re-checked against a new version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from respo_verl.tools.plan.layout import Layout
+from respo_verl.tools.plan.memory import MemoryEstimate
+from respo_verl.tools.plan.models import ModelShape
+
+MG = "actor_rollout_ref.actor.megatron"
+ROLLOUT = "actor_rollout_ref.rollout"
+DISPATCHERS = ("allgather", "alltoall", "flex")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.message}"
+
+
+def size_violations(lay: Layout) -> list[Violation]:
+    """Counts that must be positive before any other rule (or the memory model) can divide by them."""
+    sizes = {
+        "trainer.nnodes": lay.nnodes,
+        "trainer.n_gpus_per_node": lay.gpus_per_node,
+        "data.train_batch_size": lay.train_batch_size,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": lay.ppo_mini_batch_size,
+        f"{ROLLOUT}.n": lay.rollout_n,
+        f"{ROLLOUT}.tensor_model_parallel_size": lay.rollout_tp,
+        f"{ROLLOUT}.data_parallel_size": lay.rollout_dp,
+        f"{ROLLOUT}.pipeline_model_parallel_size": lay.rollout_pp,
+        f"{ROLLOUT}.expert_parallel_size": lay.rollout_ep,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": lay.ppo_max_token_len_per_gpu,
+        f"{ROLLOUT}.log_prob_max_token_len_per_gpu": lay.log_prob_max_token_len_per_gpu,
+    }
+    if lay.backend == "megatron":
+        sizes |= {
+            f"{MG}.tensor_model_parallel_size": lay.tp,
+            f"{MG}.pipeline_model_parallel_size": lay.pp,
+            f"{MG}.context_parallel_size": lay.cp,
+            f"{MG}.expert_model_parallel_size": lay.ep,
+            f"{MG}.expert_tensor_parallel_size": lay.etp,
+        }
+        if lay.vpp is not None:
+            sizes[f"{MG}.virtual_pipeline_model_parallel_size"] = lay.vpp
+    else:
+        sizes["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"] = lay.ulysses_sp
+    out = [Violation("world-size", f"{key} must be >= 1, got {value}") for key, value in sizes.items() if value < 1]
+    if lay.nnodes >= 1 and lay.gpus_per_node >= 1:
+        return out
+    return [
+        Violation(
+            "world-size",
+            f"trainer.nnodes × trainer.n_gpus_per_node = {lay.nnodes}×{lay.gpus_per_node} = {lay.world} GPUs; "
+            f"a job needs at least one node with at least one GPU",
+        ),
+        *(v for v in out if not v.message.startswith("trainer.")),
+    ]
+
+
+def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
+    out: list[Violation] = []
+    grid = lay.tp * lay.pp * lay.cp
+    if lay.world % grid:
+        out.append(
+            Violation(
+                "world-grid",
+                f"world {lay.world} is not divisible by TP·PP·CP = {lay.tp}·{lay.pp}·{lay.cp} = {grid} "
+                f"(megatron initialize_model_parallel; {MG}.tensor/pipeline/context_parallel_size)",
+            )
+        )
+    egrid = lay.etp * lay.ep * lay.pp
+    if lay.world % egrid:
+        out.append(
+            Violation(
+                "expert-grid",
+                f"expert grid ETP·EP·PP = {lay.etp}·{lay.ep}·{lay.pp} = {egrid} does not divide the world "
+                f"{lay.world} (megatron initialize_model_parallel; {MG}.expert_tensor_parallel_size "
+                f"defaults to TP when null)",
+            )
+        )
+    if m.is_moe and m.num_experts % lay.ep:
+        out.append(
+            Violation(
+                "experts-ep",
+                f"{m.num_experts} experts are not divisible by EP = {lay.ep} ({MG}.expert_model_parallel_size)",
+            )
+        )
+    if not m.is_moe and lay.ep > 1:
+        out.append(Violation("experts-ep", f"EP = {lay.ep} but {m.name} has no experts"))
+    vpp = lay.vpp or 1
+    if lay.vpp is not None and lay.pp == 1:
+        out.append(
+            Violation(
+                "vpp-needs-pp",
+                f"virtual pipeline size {lay.vpp} needs PP > 1 ({MG}.virtual_pipeline_model_parallel_size)",
+            )
+        )
+    if m.num_layers % (lay.pp * vpp):
+        out.append(
+            Violation(
+                "layers-pp",
+                f"{m.num_layers} layers are not divisible by PP·VPP = {lay.pp}·{vpp} (megatron TransformerConfig)",
+            )
+        )
+    if m.num_attention_heads % lay.tp:
+        out.append(Violation("heads-tp", f"{m.num_attention_heads} attention heads are not divisible by TP = {lay.tp}"))
+    if m.num_kv_heads % lay.tp and lay.tp % m.num_kv_heads:
+        out.append(
+            Violation(
+                "kv-groups-tp",
+                f"{m.num_kv_heads} KV groups must be a multiple or a divisor of TP = {lay.tp} (megatron "
+                f"TransformerConfig)",
+            )
+        )
+    if m.is_moe and lay.ep > 1 and lay.tp > 1 and not lay.sequence_parallel:
+        out.append(
+            Violation(
+                "moe-sequence-parallel",
+                f"EP > 1 with TP > 1 needs sequence parallelism ({MG}.sequence_parallel=true; megatron "
+                f"ModelParallelConfig)",
+            )
+        )
+    if lay.recompute_granularity not in (None, "full", "selective"):
+        out.append(
+            Violation(
+                "recompute",
+                f"recompute_granularity {lay.recompute_granularity!r} must be full, selective or null",
+            )
+        )
+    if lay.recompute_granularity == "full":
+        if lay.recompute_method not in RECOMPUTE_METHODS:
+            out.append(
+                Violation(
+                    "recompute",
+                    f"recompute_granularity=full needs recompute_method uniform or block, got "
+                    f"{lay.recompute_method!r} ({MG}.override_transformer_config)",
+                )
+            )
+        per_stage = m.num_layers // (lay.pp * vpp) if m.num_layers % (lay.pp * vpp) == 0 else None
+        n = lay.recompute_num_layers
+        if n is None or n < 1 or (per_stage is not None and n > per_stage):
+            out.append(
+                Violation(
+                    "recompute",
+                    f"recompute_num_layers must be in [1, {per_stage}] with full recompute, got {n}",
+                )
+            )
+    if lay.recompute_granularity == "selective" and lay.recompute_num_layers is not None:
+        out.append(
+            Violation(
+                "recompute", "recompute_num_layers must be null with selective recompute (megatron TransformerConfig)"
+            )
+        )
+    if lay.moe_dispatcher is not None and lay.moe_dispatcher not in DISPATCHERS:
+        out.append(
+            Violation(
+                "moe-dispatcher",
+                f"moe_token_dispatcher_type {lay.moe_dispatcher!r} must be one of {', '.join(DISPATCHERS)}",
+            )
+        )
+    if lay.moe_router_dtype not in (None, "fp32", "fp64"):
+        out.append(Violation("router-dtype", f"moe_router_dtype {lay.moe_router_dtype!r} must be fp32, fp64 or null"))
+    if not 0.0 <= lay.optimizer_cpu_offload_fraction <= 1.0:
+        out.append(
+            Violation(
+                "optimizer-offload",
+                f"optimizer_offload_fraction {lay.optimizer_cpu_offload_fraction} must be in [0, 1]",
+            )
+        )
+    if lay.optimizer_cpu_offload and not lay.precision_aware_optimizer:
+        out.append(
+            Violation(
+                "optimizer-cpu-offload",
+                "optimizer_cpu_offload needs use_precision_aware_optimizer=true (megatron-LM's argument check; "
+                "without it the fp32 main parameters stay on the GPU next to the CPU optimizer's own copy); set "
+                "actor_rollout_ref.actor.optim.use_precision_aware_optimizer=true",
+            )
+        )
+    if lay.router_replay_mode != "disabled" and not m.is_moe:
+        out.append(Violation("router-replay", f"router_replay.mode={lay.router_replay_mode} needs an MoE model"))
+    return out
+
+
+def _fsdp_rules(m: ModelShape, lay: Layout) -> list[Violation]:
+    out: list[Violation] = []
+    sp = lay.ulysses_sp
+    if lay.world % sp:
+        out.append(Violation("world-grid", f"world {lay.world} is not divisible by Ulysses SP = {sp}"))
+    if m.num_attention_heads % sp:
+        out.append(
+            Violation(
+                "heads-sp",
+                f"{m.num_attention_heads} attention heads are not divisible by Ulysses SP = {sp}",
+            )
+        )
+    if m.num_kv_heads % sp and sp % m.num_kv_heads:
+        out.append(
+            Violation(
+                "kv-heads-sp",
+                f"{m.num_kv_heads} KV heads must be a multiple or a divisor of Ulysses SP = {sp}",
+            )
+        )
+    if lay.fsdp_size not in (-1, 0) and lay.world % lay.fsdp_size:
+        out.append(Violation("fsdp-size", f"fsdp_size {lay.fsdp_size} does not divide the world {lay.world}"))
+    if lay.tp != 1 or lay.ep != 1 or lay.pp != 1:
+        out.append(Violation("fsdp-parallel", "the FSDP engine has no TP/EP/PP; use model_engine=megatron"))
+    return out
+
+
+def _batch_rules(lay: Layout) -> list[Violation]:
+    out: list[Violation] = []
+    dp = lay.dp
+    if lay.train_batch_size % lay.ppo_mini_batch_size:
+        out.append(
+            Violation(
+                "batch-mini",
+                f"data.train_batch_size {lay.train_batch_size} is not a multiple of ppo_mini_batch_size "
+                f"{lay.ppo_mini_batch_size} (N must be an integer)",
+            )
+        )
+    mini = lay.ppo_mini_batch_size * lay.rollout_n
+    if dp and mini % dp:
+        out.append(Violation("batch-dp", f"ppo_mini_batch_size × n = {mini} responses do not split over DP = {dp}"))
+    if dp and (lay.train_batch_size * lay.rollout_n) % dp:
+        out.append(
+            Violation(
+                "batch-dp",
+                f"train_batch_size × n = {lay.train_batch_size * lay.rollout_n} responses do not split over DP = {dp}",
+            )
+        )
+    if not lay.use_dynamic_bsz:
+        micro = lay.ppo_micro_batch_size_per_gpu
+        if not micro:
+            out.append(Violation("batch-micro", "use_dynamic_bsz=false needs actor.ppo_micro_batch_size_per_gpu"))
+        elif dp and (mini // dp) % micro:
+            out.append(
+                Violation(
+                    "batch-micro",
+                    f"{mini // dp} responses per DP rank per mini-batch are not a multiple of "
+                    f"ppo_micro_batch_size_per_gpu {micro}",
+                )
+            )
+    seq, split = lay.seq_len, lay.seq_split
+    if lay.use_dynamic_bsz:
+        for key, budget in (
+            ("actor.ppo_max_token_len_per_gpu", lay.ppo_max_token_len_per_gpu),
+            ("rollout.log_prob_max_token_len_per_gpu", lay.log_prob_max_token_len_per_gpu),
+        ):
+            if budget * split < seq:
+                out.append(
+                    Violation(
+                        "token-budget",
+                        f"{key} = {budget} (× sequence split {split}) cannot hold one sequence of "
+                        f"max_prompt_length + max_response_length = {seq} tokens (verl seqlen_balancing)",
+                    )
+                )
+    return out
+
+
+def _rollout_rules(m: ModelShape, lay: Layout) -> list[Violation]:
+    out: list[Violation] = []
+    replica = lay.rollout_tp * lay.rollout_dp * lay.rollout_pp
+    if lay.gpus_per_node % lay.rollout_tp or lay.rollout_tp > lay.gpus_per_node:
+        out.append(
+            Violation(
+                "rollout-tp-node",
+                f"rollout TP {lay.rollout_tp} does not divide the node ({lay.gpus_per_node} GPUs; "
+                f"{ROLLOUT}.tensor_model_parallel_size)",
+            )
+        )
+    if lay.world % replica:
+        out.append(
+            Violation(
+                "rollout-replicas",
+                f"rollout replica TP·DP·PP = {replica} does not divide the world {lay.world} (verl llm_server)",
+            )
+        )
+    if lay.rollout_ep > 1 and lay.rollout_ep != lay.rollout_tp * lay.rollout_dp:
+        out.append(
+            Violation(
+                "rollout-ep",
+                f"rollout expert_parallel_size {lay.rollout_ep} must equal TP·DP = {lay.rollout_tp * lay.rollout_dp} "
+                f"(verl RolloutConfig)",
+            )
+        )
+    if m.num_attention_heads % lay.rollout_tp:
+        out.append(
+            Violation(
+                "rollout-heads",
+                f"{m.num_attention_heads} attention heads are not divisible by rollout TP {lay.rollout_tp} (vLLM)",
+            )
+        )
+    if m.num_kv_heads % lay.rollout_tp and lay.rollout_tp % m.num_kv_heads:
+        out.append(
+            Violation(
+                "rollout-heads",
+                f"{m.num_kv_heads} KV heads must be a multiple or a divisor of rollout TP {lay.rollout_tp} (vLLM)",
+            )
+        )
+    if not 0.0 < lay.rollout_memory_fraction < 1.0:
+        out.append(
+            Violation(
+                "rollout-memory",
+                f"gpu_memory_utilization {lay.rollout_memory_fraction} must be in (0, 1)",
+            )
+        )
+    if lay.rollout_max_model_len is not None and lay.rollout_max_model_len < lay.seq_len:
+        out.append(
+            Violation(
+                "rollout-max-len",
+                f"{ROLLOUT}.max_model_len {lay.rollout_max_model_len} < prompt + response {lay.seq_len}",
+            )
+        )
+    return out
+
+
+def _memory_rules(lay: Layout, mem: MemoryEstimate) -> list[Violation]:
+    out: list[Violation] = []
+    cap = mem.gpu_gib
+    if mem.train_gib > cap:
+        out.append(
+            Violation(
+                "memory-train",
+                f"training step needs ~{mem.train_gib:.1f} GiB per GPU > {cap:.1f} GiB (static "
+                f"{mem.static_gib:.1f}, activations {mem.activations_gib:.1f}, logits "
+                f"{mem.logits_gib:.1f}); lower ppo_max_token_len_per_gpu, recompute more, add GPUs or "
+                f"megatron's CPU optimizer",
+            )
+        )
+    if mem.logprob_gib > cap:
+        out.append(
+            Violation(
+                "memory-logprob",
+                f"old-log-prob forward needs ~{mem.logprob_gib:.1f} GiB per GPU > {cap:.1f} GiB; lower "
+                f"rollout.log_prob_max_token_len_per_gpu",
+            )
+        )
+    if mem.rollout_gib > cap:
+        out.append(
+            Violation(
+                "memory-rollout",
+                f"rollout needs ~{mem.rollout_gib:.1f} GiB per GPU (vLLM "
+                f"{lay.rollout_memory_fraction:.2f} × {cap:.1f} + trainer resident "
+                f"{mem.rollout_resident_gib:.1f} + reserve) > {cap:.1f} GiB; offload params/optimizer or "
+                f"lower gpu_memory_utilization",
+            )
+        )
+    if mem.rollout_startup_free_gib < mem.rollout_startup_needed_gib:
+        out.append(
+            Violation(
+                "rollout-startup",
+                f"vLLM will refuse to start: ~{mem.rollout_startup_free_gib:.1f} GiB free per GPU when it starts "
+                f"(the trainer, built first by verl, holds ~{mem.rollout_startup_resident_gib:.1f} GiB + reserve) "
+                f"< gpu_memory_utilization {lay.rollout_memory_fraction:.2f} × {cap:.1f} = "
+                f"{mem.rollout_startup_needed_gib:.1f} GiB (vLLM Worker.init_device); offload params/optimizer "
+                f"or lower gpu_memory_utilization",
+            )
+        )
+    if mem.rollout_kv_tokens < lay.seq_len:
+        out.append(
+            Violation(
+                "rollout-kv",
+                f"vLLM KV cache holds ~{mem.rollout_kv_tokens} tokens, less than one sequence of "
+                f"{lay.seq_len}; raise gpu_memory_utilization or rollout TP",
+            )
+        )
+    return out
+
+
+def check_layout(m: ModelShape, lay: Layout, mem: MemoryEstimate | None) -> list[Violation]:
+    """Every violated rule (empty: the layout is valid and, if ``mem`` is given, fits).
+
+    A layout with a count below 1 (no GPUs, TP 0, ...) gets only the ``world-size`` violations: the other rules
+    and the memory model divide by those counts.
+    """
+    sizes = size_violations(lay)
+    if sizes:
+        return sizes
+    out = _megatron_rules(m, lay) if lay.backend == "megatron" else _fsdp_rules(m, lay)
+    out += _batch_rules(lay) + _rollout_rules(m, lay)
+    if mem is not None:
+        out += _memory_rules(lay, mem)
+    return out

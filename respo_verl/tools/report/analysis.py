@@ -1,0 +1,224 @@
+"""Per-run and per-(algorithm, N) statistics in the paper's protocol (ReSPO paper, arXiv 2609.35433).
+
+The per-run windows (late = last 128 optimizer updates, early = first 256, AUC = all) are
+:mod:`respo_verl.tools.runs.stats`; here they are grouped over seeds and compared with the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from scipy import stats as scipy_stats
+
+from respo_verl import algorithms
+from respo_verl.tools.runs.logs import LogError, RunLog, log_step, logged_reuse
+from respo_verl.tools.runs.manifest import RunRecord
+from respo_verl.tools.runs.stats import LATE_WINDOW, SCORE_KEY, per_update, score_curve, window_stats
+
+LENGTH_KEY = "response_length/mean"
+# verl's learning-rate metric: runs of one group that log different values were configured differently.
+CONFIG_SENSITIVE_KEYS = ("actor/lr",)
+VAL_PATTERN = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
+STARVED_MASS_PATTERN = re.compile(r"^actor/(?P<loss>[^/]+)/starved_mass_share$")
+NAME_PATTERN = re.compile(
+    rf"(?P<algorithm>{'|'.join(algorithms.ALGORITHMS)})[-_]n(?P<reuse>\d+)[-_]s(?:eed)?(?P<seed>\d+)"
+)
+CONFIDENCE = 0.95
+
+
+@dataclass
+class RunSummary:
+    """One run's numbers; every curve is per optimizer update (``len(curve)`` = updates logged)."""
+
+    name: str
+    algorithm: str
+    reuse: int
+    seed: int
+    config_hash: str | None
+    log_step: str
+    curve: list[float]  # (optimizer updates,) score in [0, 1]
+    late: float
+    early: float
+    auc: float
+    length: float | None
+    starved_mass_curve: list[float] | None  # (optimizer updates,) share in [0, 1], when the loss logs it
+    val: dict[str, float]
+    complete: bool | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def starved_mass(self) -> float | None:
+        return statistics.fmean(self.starved_mass_curve) if self.starved_mass_curve else None
+
+
+@dataclass
+class GroupSummary:
+    algorithm: str
+    reuse: int
+    runs: list[RunSummary]
+    late_mean: float
+    late_std: float | None
+    early_mean: float
+    auc_mean: float
+    length_mean: float | None
+    starved_mass_mean: float | None
+    val: dict[str, float]
+    delta_pp: float | None = None  # late score minus the baseline's, percentage points
+    delta_ci: tuple[float, float] | None = None
+
+
+def identify(run: RunLog, record: RunRecord | None) -> tuple[str, int, int]:
+    """(algorithm, N, seed) from the manifest record, else from the log's file name."""
+    if record is not None:
+        return record.algorithm, record.reuse, record.seed
+    match = NAME_PATTERN.search(run.path.stem)
+    if match is None:
+        raise ValueError(
+            f"{run.path}: no manifest entry and the file name does not say the run's algorithm, N and seed "
+            f"(expected a name containing e.g. 'respo-n32-s0')"
+        )
+    return match["algorithm"], int(match["reuse"]), int(match["seed"])
+
+
+def _last(series: dict[int, float]) -> float | None:
+    return series[max(series)] if series else None
+
+
+def summarise_run(
+    run: RunLog, record: RunRecord | None, score_key: str = SCORE_KEY, reward_range: str = "pm1"
+) -> RunSummary:
+    """Summarise one log.
+
+    Raises:
+        ValueError: the run cannot be identified (no manifest record, no parsable name).
+        LogError: the log contradicts the manifest or itself (step unit, N), or a score lies outside
+            ``reward_range``.
+        KeyError: ``score_key`` is not in the log.
+    """
+    algorithm, reuse, seed = identify(run, record)
+    unit = log_step(run, record.log_step if record is not None else None)
+    logged = logged_reuse(run)
+    if logged is not None and logged != reuse:
+        source = "manifest" if record is not None else "file name"
+        raise LogError(f"{run.path}: the {source} says N = {reuse}, the log says N = {logged}")
+    curve, notes = score_curve(run, reuse, unit, score_key, reward_range)
+    complete = None
+    if record is not None:
+        complete = run.last_step >= record.last_log_step
+        if not complete:
+            notes.append(f"incomplete: {run.last_step} of {record.last_log_step} {unit} steps logged")
+    windows = window_stats(curve)
+    if windows.updates < LATE_WINDOW:
+        notes.append(f"only {windows.updates} optimizer steps: the late window covers the whole run")
+    lengths = run.series(LENGTH_KEY)
+    starved_keys = sorted(k for k in run.metrics if STARVED_MASS_PATTERN.match(k))
+    val = {}
+    for key, series in run.metrics.items():
+        match = VAL_PATTERN.match(key)
+        if match:
+            val[f"{match['source']}/{match['var']}@{match['n']}"] = _last(series)
+    return RunSummary(
+        name=record.name if record else run.path.stem,
+        algorithm=algorithm,
+        reuse=reuse,
+        seed=seed,
+        config_hash=record.config_hash if record else None,
+        log_step=unit,
+        curve=curve,
+        late=windows.late,
+        early=windows.early,
+        auc=windows.auc,
+        length=statistics.fmean(per_update(lengths, reuse, unit)[0]) if lengths else None,
+        starved_mass_curve=per_update(run.series(starved_keys[0]), reuse, unit)[0] if starved_keys else None,
+        val=val,
+        complete=complete,
+        notes=notes,
+    )
+
+
+def check_group_consistency(runs: list[RunSummary], logs: dict[str, RunLog]) -> list[str]:
+    """Reasons why the runs of one (algorithm, N) group must not be averaged; empty when they may."""
+    problems = []
+    hashes = {r.config_hash for r in runs if r.config_hash is not None}
+    if len(hashes) > 1:
+        by_hash = defaultdict(list)
+        for r in runs:
+            by_hash[r.config_hash].append(r.name)
+        problems.append("different configurations (manifest config_hash): " + "; ".join(
+            f"{h[:12]}: {', '.join(names)}" for h, names in by_hash.items()
+        ))  # fmt: skip
+    for key in CONFIG_SENSITIVE_KEYS:
+        first_values = {r.name: logs[r.name].series(key) for r in runs if logs[r.name].series(key)}
+        shared = set.intersection(*(set(s) for s in first_values.values())) if len(first_values) > 1 else set()
+        for step in sorted(shared)[:1]:
+            values = {name: s[step] for name, s in first_values.items()}
+            if len(set(values.values())) > 1:
+                problems.append(f"{key} differs at step {step}: {values}")
+    seeds = [r.seed for r in runs]
+    if len(seeds) != len(set(seeds)):
+        problems.append(f"seeds repeat within the group: {sorted(seeds)}")
+    return problems
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def welch_interval(a: list[float], b: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """Welch's t confidence interval for mean(a) − mean(b); None with fewer than two values on either side."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    se = math.sqrt(va + vb)
+    if se == 0.0:
+        return (diff, diff)
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = float(scipy_stats.t.ppf(0.5 + confidence / 2, dof)) * se
+    return (diff - half, diff + half)
+
+
+def summarise_groups(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[list[GroupSummary], list[str]]:
+    """Group runs by (algorithm, N); returns the groups and the groups refused as mixed (with reasons)."""
+    grouped: dict[tuple[str, int], list[RunSummary]] = defaultdict(list)
+    for r in runs:
+        grouped[(r.algorithm, r.reuse)].append(r)
+    groups, refused = [], []
+    for (algorithm, reuse), members in sorted(grouped.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        problems = check_group_consistency(members, logs)
+        if problems:
+            refused.append(f"{algorithm} N={reuse}: not averaged — " + "; ".join(problems))
+            continue
+        lates = [r.late for r in members]
+        vals = defaultdict(list)
+        for r in members:
+            for k, v in r.val.items():
+                vals[k].append(v)
+        groups.append(
+            GroupSummary(
+                algorithm=algorithm,
+                reuse=reuse,
+                runs=sorted(members, key=lambda r: r.seed),
+                late_mean=statistics.fmean(lates),
+                late_std=statistics.stdev(lates) if len(lates) > 1 else None,
+                early_mean=statistics.fmean(r.early for r in members),
+                auc_mean=statistics.fmean(r.auc for r in members),
+                length_mean=_mean_or_none([r.length for r in members]),
+                starved_mass_mean=_mean_or_none([r.starved_mass for r in members]),
+                val={k: statistics.fmean(v) for k, v in vals.items()},
+            )
+        )
+    baseline = {g.reuse: g for g in groups if g.algorithm == algorithms.BASELINE}
+    for g in groups:
+        base = baseline.get(g.reuse)
+        if base is None or g is base:
+            continue
+        g.delta_pp = 100.0 * (g.late_mean - base.late_mean)
+        ci = welch_interval([r.late for r in g.runs], [r.late for r in base.runs])
+        g.delta_ci = None if ci is None else (100.0 * ci[0], 100.0 * ci[1])
+    return groups, refused

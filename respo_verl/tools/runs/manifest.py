@@ -1,0 +1,115 @@
+"""The run manifest: one JSON object per line describing a run of a sweep (or of ``respo-verl mini``).
+
+The report groups runs by (algorithm, N) and refuses to average runs whose ``config_hash`` differ within a group:
+the hash covers the composed configuration *minus* the swept keys (seed, run name, logging paths), so two seeds of
+one setting share it and a changed learning rate does not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from respo_verl import algorithms
+from respo_verl.tools.runs.logs import LOG_STEPS
+
+MANIFEST_NAME = "manifest.jsonl"
+
+
+@dataclass
+class RunRecord:
+    """One run of a comparison.
+
+    Attributes:
+        name: run name, also the log file stem (``<name>.jsonl``).
+        algorithm: one of :data:`respo_verl.algorithms.ALGORITHMS`.
+        reuse: N, optimizer updates per rollout batch (``train_batch_size / ppo_mini_batch_size``).
+        seed: the run's seed.
+        log: path of the run's verl file-logger log, relative to the manifest's directory or absolute.
+        optimizer_steps: planned optimizer updates (the paper: 1024); a log reaching it is complete.
+        config_hash: hash of the configuration without the swept keys (see module docstring).
+        command: the command line that runs it.
+        env: environment variables the command needs.
+        preset, routing: cluster preset and routing mode, when set.
+        versions: package versions at sweep time.
+        source: ``verl`` (a trainer run) or ``mini`` (the CPU experiment).
+        log_step: what the ``step`` of a log line counts: ``training`` (verl: one line per rollout batch, N
+            optimizer updates) or ``optimizer`` (``respo-verl mini``: one line per update).
+    """
+
+    name: str
+    algorithm: str
+    reuse: int
+    seed: int
+    log: str
+    optimizer_steps: int
+    config_hash: str
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    preset: str | None = None
+    routing: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    source: str = "verl"
+    log_step: str = "training"
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in algorithms.ALGORITHMS:
+            raise ValueError(
+                f"run {self.name}: algorithm must be one of {', '.join(algorithms.ALGORITHMS)}, got {self.algorithm!r}"
+            )
+        for key in ("reuse", "seed", "optimizer_steps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"run {self.name}: {key} must be an integer, got {value!r}")
+        if self.log_step not in LOG_STEPS:
+            raise ValueError(f"run {self.name}: log_step must be one of {LOG_STEPS}, got {self.log_step!r}")
+        if self.reuse < 1 or self.optimizer_steps % self.reuse:
+            raise ValueError(f"run {self.name}: N = {self.reuse} must divide optimizer_steps = {self.optimizer_steps}")
+
+    @property
+    def training_steps(self) -> int:
+        return self.optimizer_steps // self.reuse
+
+    @property
+    def last_log_step(self) -> int:
+        """The ``step`` of the last line of a complete log."""
+        return self.optimizer_steps if self.log_step == "optimizer" else self.training_steps
+
+
+def write_manifest(records: list[RunRecord], directory: Path) -> Path:
+    """Write ``records`` to ``directory/manifest.jsonl`` (replacing it) and return the path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / MANIFEST_NAME
+    path.write_text("".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in records))
+    return path
+
+
+def read_manifest(path: Path) -> list[RunRecord]:
+    """Read a manifest; raise ValueError naming the file (missing, unreadable) or the line (malformed record)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such manifest file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the manifest ({exc})") from None
+    records = []
+    known = set(RunRecord.__dataclass_fields__)
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}:{lineno}: not a run record (expected a JSON object)")
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{path}:{lineno}: unknown manifest fields {sorted(unknown)}")
+        try:
+            records.append(RunRecord(**raw))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{lineno}: {exc}") from exc
+    return records

@@ -1,0 +1,115 @@
+"""``respo-verl sweep``: expand the comparison grid into verl runs, write the manifest, and run them.
+
+Example, the paper's grid on the Qwen3-30B-A3B H200 preset, printed for a scheduler::
+
+    respo-verl sweep --model qwen3-30b-a3b --preset qwen3_30b_a3b_h200_1x8 --print -- \\
+        actor_rollout_ref.model.path=/models/Qwen3-30B-A3B-Base data.train_files=... data.val_files=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from respo_verl import algorithms
+from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
+from respo_verl.tools.runs.manifest import write_manifest
+from respo_verl.tools.runs.options import reuse_list, seed_list, split_overrides
+from respo_verl.tools.sweep.grid import ROUTING_MODES, SweepSpec, expand
+from respo_verl.tools.sweep.runner import Status, is_complete, run_locally, shell_line, submit_to_ray
+
+USAGE_ERROR = 2
+
+
+def _algorithm_list(text: str) -> tuple[str, ...]:
+    try:
+        return algorithms.parse_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="respo-verl sweep",
+        usage="respo-verl sweep [options] -- [hydra overrides shared by every run]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--algos", type=_algorithm_list, default=algorithms.ALGORITHMS,
+                   help=f"comma-separated (default: {','.join(algorithms.ALGORITHMS)})")  # fmt: skip
+    p.add_argument("--reuse", type=reuse_list, default=PAPER_REUSE,
+                   help=f"N values, comma-separated (default {','.join(map(str, PAPER_REUSE))})")  # fmt: skip
+    p.add_argument("--seeds", type=seed_list, default=PAPER_SEEDS,
+                   help=f"seeds, comma-separated (default {','.join(map(str, PAPER_SEEDS))})")  # fmt: skip
+    p.add_argument("--model", default="model", help="model tag used in run names")
+    p.add_argument("--preset", default=None, help="cluster preset, passed as +cluster=<preset>")
+    p.add_argument("--routing", choices=ROUTING_MODES, default=None, help="routing preset")
+    p.add_argument("--entry", choices=("respo", "verl"), default="respo", help="entry point of the runs")
+    p.add_argument("--mini-batch", type=int, default=PAPER_MINI_BATCH, help="prompts per optimizer update")
+    p.add_argument("--optimizer-steps", type=int, default=PAPER_OPTIMIZER_STEPS, help="updates per run")
+    p.add_argument("--out", type=Path, default=Path("runs"), help="directory for logs and manifest.jsonl")
+    p.add_argument("--project", default="respo_verl_sweep", help="trainer.project_name")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--print",
+        "--dry-run",
+        dest="print_only",
+        action="store_true",
+        help="print one shell line per run (for a scheduler) and write the manifest; run nothing",
+    )
+    mode.add_argument("--ray", metavar="ADDRESS", help="submit the runs as Ray jobs to this dashboard address")
+    p.add_argument("--no-compose", action="store_true", help="skip composing and checking each run (no config hash)")
+    return p
+
+
+def _error(message: str) -> int:
+    print(f"respo-verl sweep: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def main(argv: list[str]) -> int:
+    options, overrides = split_overrides(list(argv))
+    parser = _parser()
+    try:
+        args, extra = parser.parse_known_args(options)
+    except SystemExit as exc:  # --help (0) or a malformed option (2), message already printed
+        return int(exc.code or 0)
+    if extra:
+        return _error(
+            f"unexpected argument(s) {' '.join(extra)!r}: lists are comma-separated (--reuse 8,16 --seeds 0,1,2) "
+            "and Hydra overrides go after --"
+        )
+    try:
+        spec = SweepSpec(
+            algorithms=args.algos,
+            reuse=args.reuse,
+            seeds=args.seeds,
+            model=args.model,
+            preset=args.preset,
+            routing=args.routing,
+            entry=args.entry,
+            mini_batch=args.mini_batch,
+            optimizer_steps=args.optimizer_steps,
+            base_overrides=tuple(overrides),
+            out_dir=args.out,
+            project=args.project,
+        )
+        records = expand(spec, compose=not args.no_compose)
+    except ValueError as exc:  # bad settings (SweepSpec), or a run that does not compose or pass check_job
+        return _error(str(exc))
+    try:
+        manifest = write_manifest(records, args.out)
+    except OSError as exc:
+        return _error(f"--out {args.out}: cannot write the manifest there ({exc.strerror or exc})")
+    if args.print_only:
+        for record in records:
+            prefix = "# complete, skipped: " if is_complete(record, args.out) else ""
+            print(prefix + shell_line(record))
+        print(f"# {len(records)} runs; manifest: {manifest}", file=sys.stderr)
+        return 0
+    outcomes = submit_to_ray(records, args.out, args.ray) if args.ray else run_locally(records, args.out)
+    for outcome in outcomes:
+        print(f"{outcome.name}: {outcome.line}")
+    print(f"manifest: {manifest}")
+    return 1 if any(o.status is Status.FAILED for o in outcomes) else 0

@@ -1,0 +1,215 @@
+"""Expansion of a comparison grid into verl runs sharing one base configuration (the protocol: docs/method.md,
+"Published protocol").
+
+N is realised as the paper does: ``data.train_batch_size = ppo_mini_batch_size × N`` prompts, one PPO epoch, and
+``trainer.total_training_steps = optimizer_steps / N`` so that every run makes the same number of optimizer updates
+(1024 in the paper). Runs differ only in the swept keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from respo_verl.algorithms import ALGORITHMS
+from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
+from respo_verl.tools.runs.manifest import RunRecord
+from respo_verl.verl.compose import ComposeError, compose_job
+
+ENTRY_MODULES = {"respo": "respo_verl.main_ppo", "verl": "verl.trainer.main_ppo"}  # python -m <module>
+# verl keys a seed sets; dropped, with the run name, from the configuration hash.
+SEED_KEYS = ("data.seed", "actor_rollout_ref.rollout.seed", "actor_rollout_ref.actor.data_loader_seed")
+PER_RUN_KEYS = (*SEED_KEYS, "trainer.experiment_name")
+# The keys N sets (see run_overrides).
+REUSE_KEYS = ("data.train_batch_size", "trainer.total_training_steps")
+ROUTING_MODES = ("off", "r2", "r3")
+
+
+class SweepError(ValueError):
+    """A run whose job does not compose or does not pass :func:`respo_verl.verl.jobcheck.check_job` (one line)."""
+
+
+@dataclass
+class SweepSpec:
+    """A grid of runs.
+
+    Attributes:
+        algorithms, reuse, seeds: the swept values.
+        model: a short model tag for run names (e.g. ``qwen3-30b-a3b``).
+        preset: cluster preset (``+cluster=<preset>``), or None.
+        routing: routing preset (``routing=<mode>``), or None.
+        entry: ``respo`` (python -m respo_verl.main_ppo) or ``verl`` (python -m verl.trainer.main_ppo).
+        mini_batch: prompts per optimizer update.
+        optimizer_steps: optimizer updates per run; must be a multiple of every N.
+        base_overrides: Hydra overrides shared by every run (model path, data, ...).
+        out_dir: where logs and the manifest go.
+        project: ``trainer.project_name``.
+    """
+
+    algorithms: tuple[str, ...] = ALGORITHMS
+    reuse: tuple[int, ...] = PAPER_REUSE
+    seeds: tuple[int, ...] = PAPER_SEEDS
+    model: str = "model"
+    preset: str | None = None
+    routing: str | None = None
+    entry: str = "respo"
+    mini_batch: int = PAPER_MINI_BATCH
+    optimizer_steps: int = PAPER_OPTIMIZER_STEPS
+    base_overrides: tuple[str, ...] = ()
+    out_dir: Path = Path("runs")
+    project: str = "respo_verl_sweep"
+    python: str = field(default_factory=lambda: sys.executable)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.algorithms) - set(ALGORITHMS))
+        if unknown:
+            raise ValueError(f"unknown algorithm(s) {unknown}; choose from {list(ALGORITHMS)}")
+        if not self.algorithms or not self.reuse or not self.seeds:
+            raise ValueError("the grid is empty: give at least one algorithm, one N and one seed")
+        if self.routing is not None and self.routing not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
+        if self.entry not in ENTRY_MODULES:
+            raise ValueError(f"entry must be one of {sorted(ENTRY_MODULES)}, got {self.entry!r}")
+        for n in self.reuse:
+            if n < 1 or self.optimizer_steps % n:
+                raise ValueError(f"N = {n} must be >= 1 and divide optimizer_steps = {self.optimizer_steps}")
+        if self.mini_batch < 1:
+            raise ValueError(f"mini_batch must be >= 1, got {self.mini_batch}")
+
+
+def run_name(spec: SweepSpec, algorithm: str, reuse: int, seed: int) -> str:
+    return f"{spec.model}-{algorithm}-n{reuse}-s{seed}"
+
+
+def run_overrides(spec: SweepSpec, algorithm: str, reuse: int, seed: int) -> list[str]:
+    """Hydra overrides of one run, in the form its entry point takes them."""
+    plus = "" if spec.entry == "respo" else "+"
+    overrides = [f"{plus}algorithm={algorithm}"]
+    if spec.preset:
+        overrides.append(f"+cluster={spec.preset}")
+    if spec.routing:
+        overrides.append(f"{plus}routing={spec.routing}")
+    overrides += [
+        *spec.base_overrides,
+        f"data.train_batch_size={spec.mini_batch * reuse}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={spec.mini_batch}",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        f"trainer.total_training_steps={spec.optimizer_steps // reuse}",
+        f"trainer.project_name={spec.project}",
+        f"trainer.experiment_name={run_name(spec, algorithm, reuse, seed)}",
+        "trainer.logger=[console,file]",
+        *(f"{key}={seed}" for key in SEED_KEYS),
+    ]
+    return overrides
+
+
+def config_hash(cfg) -> str:
+    """sha256 of the unresolved job configuration without the per-run keys (seeds, run name)."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(cfg, resolve=False)
+    for dotted in PER_RUN_KEYS:
+        node = container
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(container, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for dist in ("respo-verl", "verl", "torch", "megatron-core", "vllm"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _job_of(spec: SweepSpec, algorithm: str, reuse: int, composed: dict[str, tuple[int, object]]):
+    """The composed job of (algorithm, N), composing once per algorithm.
+
+    Runs of one algorithm differ only in the values of :data:`REUSE_KEYS` (plain values of existing keys, which
+    Hydra applies after composition), so the first N is composed and the others are that job with those values set;
+    a test checks that this equals composing each N.
+    """
+    from omegaconf import OmegaConf
+
+    first = spec.seeds[0]
+    if algorithm not in composed:
+        composed[algorithm] = (reuse, compose_job(spec.entry, run_overrides(spec, algorithm, reuse, first)))
+    base_reuse, base_job = composed[algorithm]
+    if reuse == base_reuse:
+        return base_job
+    job = base_job.copy()
+    for override in run_overrides(spec, algorithm, reuse, first):
+        if _key(override) in REUSE_KEYS:
+            OmegaConf.update(job, _key(override), int(override.split("=", 1)[1]), merge=False)
+    return job
+
+
+def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
+    """One :class:`RunRecord` per grid point.
+
+    With ``compose``, the job of every distinct configuration (one per algorithm and N: seeds differ only in the
+    per-run keys, which the hash leaves out) is composed as its entry point composes it, checked with
+    :func:`respo_verl.verl.jobcheck.check_job` and hashed, before anything is printed or launched. Hydra runs once
+    per algorithm (:func:`_job_of`).
+
+    Raises:
+        SweepError: a run's job does not compose or does not pass the check (naming the run).
+    """
+    from respo_verl.verl.jobcheck import check_job
+
+    records = []
+    versions = _versions()
+    logs_dir = spec.out_dir / "logs"
+    digests: dict[tuple[str, int], str] = {}
+    composed: dict[str, tuple[int, object]] = {}
+    for algorithm in spec.algorithms:
+        for reuse in spec.reuse:
+            for seed in spec.seeds:
+                name = run_name(spec, algorithm, reuse, seed)
+                overrides = run_overrides(spec, algorithm, reuse, seed)
+                digest = ""
+                if compose:
+                    shared = (algorithm, reuse)
+                    if shared not in digests:
+                        try:
+                            job = _job_of(spec, algorithm, reuse, composed)
+                        except ComposeError as exc:
+                            raise SweepError(f"run {name}: {exc}") from None
+                        try:
+                            check_job(job)
+                        except ValueError as exc:
+                            raise SweepError(f"run {name}: {exc}") from None
+                        digests[shared] = config_hash(job)
+                    digest = digests[shared]
+                log = logs_dir / f"{name}.jsonl"
+                records.append(
+                    RunRecord(
+                        name=name,
+                        algorithm=algorithm,
+                        reuse=reuse,
+                        seed=seed,
+                        log=str(log.relative_to(spec.out_dir)),
+                        optimizer_steps=spec.optimizer_steps,
+                        config_hash=digest,
+                        command=[spec.python, "-m", ENTRY_MODULES[spec.entry], *overrides],
+                        env={"VERL_FILE_LOGGER_PATH": str(log.resolve())},
+                        preset=spec.preset,
+                        routing=spec.routing,
+                        versions=versions,
+                    )
+                )
+    return records

@@ -1,0 +1,204 @@
+"""The shape of the house: one direction of dependency between the package's folders, no cycle, the research code
+apart, and importing any module of the package changes nothing in verl, megatron-core, mbridge or transformers."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "respo_verl"
+# Folders and top-level modules of respo_verl by layer: a module may import its own layer and those below it only.
+LAYERS = (
+    {"algorithms", "entry_points", "protocol", "core"},  # imports nothing of the package but its own layer
+    {"patches"},  # the one patch helper and the patched libraries
+    {"routing"},  # route drift, HF and megatron-core replay, the route-drift engine
+    {"verl", "data"},  # verl glue: losses, estimator, config, plugin, composition, checks; data preparation
+    {"cpu"},  # verl on a CPU machine
+    {"tools"},  # plan, sweep, report, runs, demo
+    {"cli", "main_ppo"},  # the entry points
+)
+# The modules whose import is a switch: verl imports them (VERL_USE_EXTERNAL_MODULES) and nothing else calls them.
+ACTIVATION_MODULES = ("respo_verl.cpu.activate",)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports (at module level or inside functions), by absolute name."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def _modules() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_folder_and_module_of_the_package_has_a_layer():
+    parts = {_part(m) for m in _modules()} - {""}
+    assert parts == set().union(*LAYERS), parts ^ set().union(*LAYERS)
+
+
+def test_no_module_imports_a_higher_layer():
+    layer = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in _modules().items()
+        for target in targets
+        if target.startswith("respo_verl.") and _part(module) and layer[_part(target)] > layer[_part(module)]
+    )
+    assert not upward
+
+
+def test_the_folders_form_no_cycle():
+    graph = defaultdict(set)
+    for module, targets in _modules().items():
+        for target in targets:
+            if target.startswith("respo_verl.") and _part(module) and _part(target) != _part(module):
+                graph[_part(module)].add(_part(target))
+    seen, stack = set(), []
+
+    def visit(node: str) -> None:
+        assert node not in stack, f"cycle: {' -> '.join([*stack, node])}"
+        if node in seen:
+            return
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            visit(nxt)
+        stack.pop()
+        seen.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+
+
+def test_nothing_in_the_package_imports_the_research_code():
+    leaks = sorted(f"{m} -> {t}" for m, targets in _modules().items() for t in targets if t.startswith("experiments"))
+    assert not leaks
+    assert not list(PACKAGE.rglob("*.pt")), "the research code's base models do not ship in the package"
+
+
+def test_core_imports_only_torch_and_the_standard_library():
+    allowed = {"torch", "__future__", *sys.stdlib_module_names}
+    foreign = sorted(
+        f"{m} -> {t}"
+        for m, targets in _modules().items()
+        if m.startswith("respo_verl.core")
+        for t in targets
+        if not t.startswith("respo_verl.core") and t.split(".")[0] not in allowed
+    )
+    assert not foreign
+
+
+# A fresh interpreter imports the libraries first, records every attribute of their modules (and of the classes
+# defined there) by identity, imports every module of respo_verl, and reports what differs. Attributes that are
+# modules are left out: importing a submodule binds it in its parent, which changes nothing that runs.
+SNAPSHOT = r"""
+import importlib, json, pkgutil, sys, types
+LIBS = ("verl", "megatron", "mbridge", "transformers")
+for name in ("verl.trainer.main_ppo", "verl.workers.engine_workers", "verl.workers.engine.megatron.transformer_impl",
+             "verl.models.mcore.model_forward", "megatron.core.transformer.moe.token_dispatcher",
+             "megatron.core.optimizer.optimizer", "mbridge.core.bridge", "mbridge.core.llm_bridge",
+             "transformers.models.qwen3_moe.modeling_qwen3_moe"):
+    importlib.import_module(name)
+
+def snapshot():
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(LIBS):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, types.ModuleType):
+                continue
+            state[f"{name}.{attr}"] = id(value)
+            if isinstance(value, type) and value.__module__ == name:
+                for key, member in list(vars(value).items()):
+                    state[f"{name}.{attr}.{key}"] = id(member)
+    return state
+
+def changed(before, after):
+    return sorted(k for k in before if k in after and before[k] != after[k])
+
+before = snapshot()
+skip = set(sys.argv[1].split(","))
+import respo_verl
+for info in pkgutil.walk_packages(respo_verl.__path__, "respo_verl."):
+    if info.name not in skip and not info.name.endswith(".__main__"):
+        importlib.import_module(info.name)
+plain = changed(before, snapshot())
+activated = []
+if sys.argv[2] == "activate":
+    import respo_verl.cpu.activate
+    from respo_verl.cpu.runtime import RUNTIME
+    activated = changed(before, snapshot())
+    RUNTIME.remove()
+print(json.dumps({"plain": plain, "activated": activated, "after_remove": changed(before, snapshot())}))
+"""
+
+
+def _snapshot(activate: bool) -> dict:
+    mode = "activate" if activate else "plain"
+    proc = subprocess.run(
+        [sys.executable, "-c", SNAPSHOT, ",".join(ACTIVATION_MODULES), mode],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**__import__("os").environ, "VERL_USE_EXTERNAL_MODULES": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_importing_every_module_changes_no_attribute_of_the_libraries_and_the_cpu_switch_is_undone():
+    result = _snapshot(activate=True)
+    assert result["plain"] == []
+    # The CPU switch does change verl (the gloo default, the fp32 Megatron config, the current platform) ...
+    assert "verl.utils.distributed.initialize_global_process_group_ray" in result["activated"]
+    assert "verl.workers.config.engine.McoreEngineConfig.__post_init__" in result["activated"]
+    # ... and its Patch puts every attribute back.
+    assert result["after_remove"] == []
+
+
+# `docs/<page>.md` in code, optionally followed by `, "<heading>"` (a section named by its title, not its number).
+DOCS_REFERENCE = __import__("re").compile(r'docs/([a-z0-9-]+\.md)(?:, "([^"]+)")?')
+CODE_FOLDERS = ("respo_verl", "experiments", "scripts", "configs", "examples", "hydra_plugins")
+
+
+def test_every_docs_reference_in_code_names_a_page_and_heading_that_exist():
+    import re
+
+    missing = []
+    for folder in CODE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in (".py", ".yaml", ".sh", ".sbatch") or "__pycache__" in path.parts:
+                continue
+            for page, heading in DOCS_REFERENCE.findall(path.read_text()):
+                doc = ROOT / "docs" / page
+                if not doc.is_file():
+                    missing.append(f"{path.relative_to(ROOT)}: docs/{page}")
+                    continue
+                titles = {re.sub(r"^#+\s*([0-9.]+\s+)?", "", line).strip() for line in doc.read_text().splitlines()}
+                if heading and heading not in titles:
+                    missing.append(f'{path.relative_to(ROOT)}: docs/{page}, "{heading}"')
+    assert not missing

@@ -1,0 +1,171 @@
+"""Every cluster preset composes with both entry points, passes verl's validate_config and dataclass conversion,
+stays out of the algorithm's keys, and is accepted by the planner."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+from conftest import compose
+from omegaconf import OmegaConf
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import omega_conf_to_dataclass, validate_config
+from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, McoreActorConfig, McoreEngineConfig, RolloutConfig
+
+from respo_verl.tools.plan.cli import plan
+from respo_verl.tools.plan.presets import PRESETS, shipped_presets
+
+CONF = Path(__file__).resolve().parents[3] / "configs"
+PRESET_NAMES = sorted(PRESETS)
+# Keys owned by algorithm/*.yaml: a cluster preset must not set them.
+ALGORITHM_OWNED = (
+    "algorithm",
+    "policy_loss",
+    "loss_agg_mode",
+    "clip_ratio",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "use_kl_loss",
+    "entropy_coeff",
+    "ppo_epochs",
+    "kl_loss_coef",
+)
+
+
+@cache
+def _job(entry: str, preset: str, task: str = "dapo_math_overlong"):
+    choice = "algorithm=respo" if entry == "respo" else "+algorithm=respo"
+    return compose([choice, f"+cluster={preset}", f"+task={task}"], entry=entry)
+
+
+def test_every_shipped_preset_has_planner_metadata():
+    assert shipped_presets() == PRESET_NAMES
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_preset_composes_and_validates_with_both_entry_points(preset):
+    jobs = {entry: _job(entry, preset) for entry in ("respo", "verl")}
+    for cfg in jobs.values():
+        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+        expected = McoreActorConfig if "30b" in preset else FSDPActorConfig
+        assert type(actor) is expected
+        # verl's worker renames the ref's log_prob_* keys before building the ref actor; its engine config is
+        # converted as it stands.
+        ref = cfg.actor_rollout_ref.ref
+        ref_engine = omega_conf_to_dataclass(ref.megatron if "30b" in preset else ref.fsdp_config)
+        assert type(ref_engine) is (McoreEngineConfig if "30b" in preset else FSDPEngineConfig)
+        assert isinstance(omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout), RolloutConfig)
+        assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "respo"  # the algorithm survives the preset
+    assert OmegaConf.to_container(jobs["respo"], resolve=True) == OmegaConf.to_container(jobs["verl"], resolve=True)
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_planner_accepts_every_preset(preset):
+    _, mem, violations, _ = plan(preset)
+    expected = set(PRESETS[preset].refused_by)
+    assert {v.rule for v in violations} == expected, [str(v) for v in violations]
+    if not expected:
+        assert 0 < mem.peak_gib <= mem.gpu_gib
+
+
+def _keys(node, prefix=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield f"{prefix}{k}"
+            yield from _keys(v, f"{prefix}{k}.")
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((CONF / "cluster").glob("*.yaml"))
+    + sorted((CONF / "respo_verl").glob("qwen3*.yaml"))
+    + [CONF / "respo_verl" / "protocol.yaml"],
+    ids=lambda p: p.stem,
+)
+def test_presets_leave_algorithm_keys_alone(path):
+    keys = list(_keys(OmegaConf.to_container(OmegaConf.load(path))))
+    owned = [k for k in keys if k.split(".")[-1] in ALGORITHM_OWNED or k.startswith("algorithm")]
+    assert owned == [], f"{path.name} sets algorithm-owned keys {owned}"
+
+
+def test_paper_layouts():
+    h200 = _job("respo", "qwen3_30b_a3b_h200_1x8")
+    mg = h200.actor_rollout_ref.actor.megatron
+    assert (mg.tensor_model_parallel_size, mg.expert_model_parallel_size, mg.expert_tensor_parallel_size) == (2, 8, 1)
+    assert mg.pipeline_model_parallel_size == 1 and not mg.param_offload and not mg.optimizer_offload
+    assert mg.override_transformer_config.moe_router_dtype == "fp32"
+    assert mg.override_transformer_config.moe_token_dispatcher_type == "flex"
+    assert mg.override_transformer_config.recompute_granularity == "full"
+    assert h200.actor_rollout_ref.rollout.tensor_model_parallel_size == 4
+    assert h200.data.max_response_length == 8192
+    # ref follows the actor's grid
+    assert h200.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
+    assert h200.actor_rollout_ref.ref.megatron.expert_model_parallel_size == 8
+    small = _job("respo", "qwen3_1p7b_h100_1x8", "dapo_math")
+    assert small.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size == 2
+    assert small.actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size == 2
+    assert small.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    assert small.data.max_response_length == 15360
+
+
+PAPER_30B = "qwen3_30b_a3b_h200_1x8_paper"
+
+
+def test_the_paper_preset_is_the_papers_h200_settings():
+    paper = _job("respo", PAPER_30B)
+    actor, rollout = paper.actor_rollout_ref.actor, paper.actor_rollout_ref.rollout
+    mg = actor.megatron
+    assert (mg.tensor_model_parallel_size, mg.expert_model_parallel_size, mg.expert_tensor_parallel_size) == (2, 8, 1)
+    assert mg.pipeline_model_parallel_size == 1 and rollout.tensor_model_parallel_size == 4
+    assert not mg.param_offload and not mg.optimizer_offload
+    assert not actor.optim.override_optimizer_config.get("optimizer_cpu_offload", False)
+    assert rollout.gpu_memory_utilization == 0.85
+    assert actor.ppo_max_token_len_per_gpu == rollout.log_prob_max_token_len_per_gpu == 18432
+    # the runnable H200 preset differs from it in the vLLM fraction only
+    runnable = OmegaConf.to_container(_job("respo", "qwen3_30b_a3b_h200_1x8"), resolve=True)
+    record = OmegaConf.to_container(paper, resolve=True)
+    assert runnable["actor_rollout_ref"]["rollout"].pop("gpu_memory_utilization") == 0.35
+    record["actor_rollout_ref"]["rollout"].pop("gpu_memory_utilization")
+    assert runnable == record
+
+
+def test_the_1p7b_presets_are_the_papers_settings():
+    for preset in ("qwen3_1p7b_h100_1x8", "qwen3_1p7b_h100_2x8"):
+        cfg = _job("respo", preset, "dapo_math")
+        actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        assert actor.fsdp_config.model_dtype == "bf16"
+        assert actor.ppo_max_token_len_per_gpu == rollout.log_prob_max_token_len_per_gpu == 32768
+        assert rollout.gpu_memory_utilization == 0.75
+        assert actor.fsdp_config.ulysses_sequence_parallel_size == 2 and rollout.tensor_model_parallel_size == 2
+
+
+def test_the_one_node_h100_cpu_optimizer_is_precision_aware():
+    cfg = _job("respo", "qwen3_30b_a3b_h100_1x8")
+    optim = cfg.actor_rollout_ref.actor.optim
+    assert optim.override_optimizer_config.optimizer_cpu_offload is True
+    assert optim.use_precision_aware_optimizer is True
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_every_preset_header_says_how_it_relates_to_the_paper(preset):
+    header = (CONF / "cluster" / f"{preset}.yaml").read_text().split("defaults:")[0]
+    assert "paper" in header
+    exact = preset in ("qwen3_30b_a3b_h200_1x8_paper", "qwen3_1p7b_h100_1x8")
+    assert exact or "Differs from the paper" in header, header
+
+
+def test_task_presets_set_the_dapo_reward():
+    cfg = _job("verl", "qwen3_30b_a3b_h100_2x8")
+    assert cfg.reward.reward_manager.name == "dapo"
+    kwargs = OmegaConf.to_container(cfg.reward.reward_kwargs, resolve=True)
+    assert kwargs == {
+        "max_resp_len": 8192,
+        "overlong_buffer_cfg": {"enable": True, "len": 4096, "penalty_factor": 1.0, "log": True},
+    }
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    assert (val.temperature, val.top_p, val.n, val.do_sample) == (1.0, 0.7, 16, True)
+    plain = _job("respo", "qwen3_1p7b_h100_1x8", "dapo_math")
+    assert plain.reward.reward_kwargs.overlong_buffer_cfg.enable is False

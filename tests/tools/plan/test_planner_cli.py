@@ -1,0 +1,105 @@
+"""`respo-verl plan`: a table and exit 0 for a preset that fits; clear one-line errors, no Hydra traceback, for
+bad input; exit 1 listing every violated rule."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from respo_verl.tools.plan.cli import main
+from respo_verl.tools.plan.presets import PRESETS
+
+MG = "actor_rollout_ref.actor.megatron"
+
+
+def test_fitting_preset_prints_a_table_and_exits_0(capsys):
+    assert main(["qwen3_1p7b_h100_1x8"]) == 0
+    out = capsys.readouterr().out
+    for row in ("weights", "optimizer", "activations", "logits", "= training step", "rollout: KV cache", "peak"):
+        assert row in out
+    assert "OK: every rule holds" in out
+
+
+def test_markdown_table(capsys):
+    assert main(["qwen3_30b_a3b_h200_1x8", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| phase / item" in out and "routing replay / step" in out
+
+
+def test_rule_breaking_override_exits_1_listing_every_rule(capsys):
+    code = main(["qwen3_30b_a3b_h100_1x8", f"{MG}.tensor_model_parallel_size=3", f"{MG}.expert_model_parallel_size=3"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "[world-grid]" in out and "[experts-ep]" in out and "[heads-tp]" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["qwen3_31b"], "unknown preset 'qwen3_31b'"),
+        (["qwen3_1p7b_h100_1x8", "trainer.nnodes"], "not of the form key=value"),
+        (["qwen3_1p7b_h100_1x8", "trainer.no_such_key=1"], "cannot compose preset"),
+        (["qwen3_1p7b_h100_1x8", "--gpu-memory-gib", "-1"], "--gpu-memory-gib must be > 0"),
+        (["qwen3_1p7b_h100_1x8", "trainer.nnodes=abc"], "trainer.nnodes must be an integer, got 'abc'"),
+        (["qwen3_30b_a3b_h100_2x8", f"{MG}.tensor_model_parallel_size=two"], "tensor_model_parallel_size must be an"),
+        (["qwen3_1p7b_h100_1x8", "actor_rollout_ref.rollout.gpu_memory_utilization=high"], "must be a number"),
+        (
+            ["qwen3_1p7b_h100_1x8", "actor_rollout_ref.actor.policy_loss.respo.alpha_pos=0.5"],
+            "actor_rollout_ref.actor.policy_loss.respo: ReSPOConfig.alpha_pos must be >= 1, got 0.5",
+        ),
+        (
+            ["qwen3_1p7b_h100_1x8", "--algorithm", "vespo", "actor_rollout_ref.actor.policy_loss.vespo.k_pos=-1"],
+            "VESPOConfig.k_pos must be >= 0",
+        ),
+    ],
+)
+def test_bad_input_is_one_clear_message(capsys, argv, message):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.out == ""  # refused before anything is printed
+
+
+def test_no_gpus_is_a_world_size_violation(capsys):
+    assert main(["qwen3_30b_a3b_h100_2x8", "trainer.nnodes=0"]) == 1
+    out = capsys.readouterr().out
+    assert "[world-size]" in out and "0×8 = 0 GPUs" in out
+    assert "DP 0" not in out  # no memory table for an empty grid
+
+
+def test_plan_imports_neither_verl_nor_torch():
+    # The rules and the memory model need neither; importing verl alone costs ~8 s of CPU.
+    code = (
+        "import sys\n"
+        "from respo_verl.tools.plan.cli import main\n"
+        "code = main(['qwen3_30b_a3b_h100_2x8', 'actor_rollout_ref.actor.policy_loss.respo.beta_pos=0.25'])\n"
+        "print(code, sorted(m for m in ('verl', 'torch', 'ray', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_model_config_path(tmp_path, capsys):
+    assert main(["qwen3_1p7b_h100_1x8", "--model-config", str(tmp_path / "missing.json")]) == 2
+    assert "model config not found" in capsys.readouterr().err
+    cfg = {"num_hidden_layers": 28, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8,
+           "head_dim": 128, "vocab_size": 151936, "intermediate_size": 6144, "tie_word_embeddings": True}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["qwen3_1p7b_h100_1x8", "--model-config", str(tmp_path / "config.json")]) == 0
+
+
+@pytest.mark.slow
+def test_console_script_for_every_preset():
+    for preset in PRESETS:
+        out = subprocess.run(
+            [sys.executable, "-m", "respo_verl.cli", "plan", preset], capture_output=True, text=True, timeout=120
+        )
+        expected = 1 if PRESETS[preset].refused_by else 0
+        assert out.returncode == expected, out.stdout + out.stderr
+        assert "= training step" in out.stdout and preset in out.stdout

@@ -1,0 +1,142 @@
+"""`respo-verl report` on synthetic verl file-logger logs with hand-computed answers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from respo_verl.cli import main as cli_main
+from respo_verl.tools.report.analysis import summarise_run, welch_interval
+from respo_verl.tools.runs.logs import read_log
+from respo_verl.tools.runs.manifest import RunRecord, write_manifest
+
+N = 8
+TRAINING_STEPS = 128  # 1024 optimizer steps at N = 8
+LATE_TRAINING_STEPS = 128 // N  # the late window: the last 16 training steps
+
+
+def write_log(path: Path, late_score: float, steps: int = TRAINING_STEPS, lr: float = 1e-6, extra_lines=()) -> Path:
+    """Reward −1 before the late window, then the reward whose (r+1)/2 is ``late_score``; one line per step."""
+    late_reward = 2 * late_score - 1
+    lines = []
+    for step in range(1, steps + 1):
+        reward = late_reward if step > steps - LATE_TRAINING_STEPS else -1.0
+        data = {"critic/score/mean": reward, "response_length/mean": 100.0 + step, "actor/lr": lr}
+        lines.append(json.dumps({"step": step, "data": data}))
+    path.write_text("\n".join([*lines, *extra_lines]) + "\n")
+    return path
+
+
+def grid(tmp_path: Path, lates: dict[str, list[float]], hashes=None, lrs=None) -> Path:
+    records = []
+    for algorithm, values in lates.items():
+        for seed, late in enumerate(values):
+            name = f"m-{algorithm}-n{N}-s{seed}"
+            lr = (lrs or {}).get((algorithm, seed), 1e-6)
+            write_log(tmp_path / "logs" / f"{name}.jsonl", late, lr=lr)
+            digest = (hashes or {}).get((algorithm, seed), f"hash-{algorithm}")
+            records.append(RunRecord(name, algorithm, N, seed, f"logs/{name}.jsonl", 1024, digest))
+    write_manifest(records, tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def logs_dir(tmp_path):
+    (tmp_path / "logs").mkdir()
+    return tmp_path
+
+
+def test_late_early_and_auc_of_one_run(logs_dir):
+    path = write_log(logs_dir / "logs" / "m-respo-n8-s0.jsonl", late_score=0.75)
+    summary = summarise_run(read_log(path), None)
+    assert (summary.algorithm, summary.reuse, summary.seed) == ("respo", 8, 0)
+    assert len(summary.curve) == 1024
+    assert summary.late == pytest.approx(0.75)
+    assert summary.early == pytest.approx(0.0)  # reward −1 throughout the first 256 optimizer steps
+    assert summary.auc == pytest.approx(0.75 * 128 / 1024)
+    assert summary.length == pytest.approx(100 + (1 + 128) / 2)
+
+
+def test_welch_interval_with_equal_variances_uses_four_degrees_of_freedom():
+    low, high = welch_interval([0.60, 0.62, 0.64], [0.50, 0.52, 0.54])
+    half = 2.776445 * math.sqrt(2 * 0.0004 / 3)  # t(0.975, df = 4) from a t table
+    assert (low, high) == (pytest.approx(0.10 - half, abs=1e-6), pytest.approx(0.10 + half, abs=1e-6))
+    assert welch_interval([0.5], [0.4, 0.6]) is None
+
+
+def test_report_table_with_known_answers(logs_dir, capsys):
+    grid(logs_dir, {"respo": [0.60, 0.62, 0.64], "vespo": [0.50, 0.52, 0.54], "grpo": [0.40, 0.40, 0.40]})
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    half = 100 * 2.776445 * math.sqrt(2 * 0.0004 / 3)
+    assert f"| ReSPO | 62.00 ± 2.00 (n=3)<br>+10.00 pp [{10 - half:+.2f}, {10 + half:+.2f}] |" in text
+    assert "| VESPO | 52.00 ± 2.00 (n=3) |" in text
+    assert "| GRPO | 40.00 ± 0.00 (n=3)<br>-12.00 pp" in text
+    assert (out / "score_n8.png").stat().st_size > 0
+    assert "written:" in capsys.readouterr().out
+
+
+def test_corrupt_and_truncated_lines_are_skipped_and_reported(logs_dir):
+    path = write_log(logs_dir / "logs" / "m-respo-n8-s0.jsonl", 0.6, extra_lines=['{"step": 129, "data": {"critic/s'])
+    text = path.read_text().splitlines()
+    text.insert(5, "garbage that is not json")
+    text.insert(9, json.dumps({"step": 7, "data": {"critic/values/mean": None}}))
+    path.write_text("\n".join(text))  # no trailing newline: the truncated line is the last one
+    log = read_log(path)
+    assert log.last_step == TRAINING_STEPS
+    reasons = " | ".join(log.skipped)
+    assert "truncated last line" in reasons and "not JSON" in reasons and "critic/values/mean is null" in reasons
+    assert summarise_run(log, None).late == pytest.approx(0.6)
+
+
+def test_unequal_lengths_are_summarised_and_flagged(logs_dir):
+    grid(logs_dir, {"respo": [0.6, 0.6], "vespo": [0.5, 0.5]})
+    write_log(logs_dir / "logs" / "m-respo-n8-s1.jsonl", late_score=0.7, steps=64)  # stopped half-way
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "m-respo-n8-s1: incomplete: 64 of 128 training steps logged" in text
+    assert "| ReSPO | 65.00 ± 7.07 (n=2)" in text
+
+
+def test_mixed_configurations_are_not_averaged(logs_dir):
+    grid(logs_dir, {"respo": [0.6, 0.6, 0.6], "vespo": [0.5, 0.5]}, hashes={("respo", 2): "other"})
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "respo N=8: not averaged — different configurations" in text
+    assert "| ReSPO |" not in text
+
+
+def test_different_learning_rates_without_manifest_are_not_averaged(logs_dir):
+    write_log(logs_dir / "logs" / "m-vespo-n8-s0.jsonl", 0.5, lr=1e-6)
+    write_log(logs_dir / "logs" / "m-vespo-n8-s1.jsonl", 0.5, lr=2e-6)
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir / "logs"), "--out", str(out), "--no-plots"]) == 0
+    assert "vespo N=8: not averaged — actor/lr differs at step 1" in (out / "report.md").read_text()
+
+
+def test_unknown_metric_is_reported_with_suggestions(logs_dir, capsys):
+    grid(logs_dir, {"respo": [0.6]})
+    assert cli_main(["report", str(logs_dir), "--metric", "response_length/meen", "--out", str(logs_dir / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "'response_length/meen' is not in any of the logs" in err and "response_length/mean" in err
+
+
+def test_empty_or_corrupt_logs_only(logs_dir, capsys):
+    (logs_dir / "logs" / "m-respo-n8-s0.jsonl").write_text("")
+    (logs_dir / "logs" / "m-respo-n8-s1.jsonl").write_text("not json\n")
+    assert cli_main(["report", str(logs_dir), "--out", str(logs_dir / "r")]) == 2
+    assert "no log holds a usable metric line" in capsys.readouterr().err
+
+
+def test_log_without_manifest_or_parsable_name_is_left_out(logs_dir):
+    grid(logs_dir, {"respo": [0.6], "vespo": [0.5]})
+    write_log(logs_dir / "stray.jsonl", 0.9)
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    assert "stray.jsonl: no manifest entry" in (out / "report.md").read_text()

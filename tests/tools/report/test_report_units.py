@@ -1,0 +1,146 @@
+"""`respo-verl report` never prints a wrong number: step units, the starved-mass plot's axis, reward ranges, paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from respo_verl.cli import main as cli_main
+from respo_verl.tools.report.analysis import summarise_groups, summarise_run
+from respo_verl.tools.report.render import _short_run_note, starved_mass_bands, starved_mass_figure
+from respo_verl.tools.runs.logs import read_log
+from respo_verl.tools.runs.manifest import RunRecord, write_manifest
+
+N = 8
+UPDATES = 64
+
+
+def per_update_log(path: Path, early: float, late: float, starved: float | None = None) -> Path:
+    """A per-update log as ``respo-verl mini`` writes it: reward ``early`` for the first half, ``late`` after."""
+    lines = []
+    for step in range(1, UPDATES + 1):
+        data = {"critic/score/mean": early if step <= UPDATES // 2 else late, "mini/optimizer_step": step}
+        data |= {"mini/reuse": N, "training/global_step": (step - 1) // N + 1}
+        if starved is not None:
+            data["actor/respo/starved_mass_share"] = starved
+        lines.append(json.dumps({"step": step, "data": data}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def mini_folder(tmp_path: Path) -> Path:
+    """Logs named as the mini names them, in ``<out>/respo_verl_mini``, without the manifest next to them."""
+    folder = tmp_path / "respo_verl_mini"
+    for seed in range(2):
+        per_update_log(folder / f"respo_n{N}_seed{seed}.jsonl", early=-1.0, late=1.0, starved=0.2 + 0.1 * seed)
+        per_update_log(folder / f"vespo_n{N}_seed{seed}.jsonl", early=1.0, late=-1.0, starved=0.1)
+    return folder
+
+
+def test_per_update_logs_without_a_manifest_are_read_per_update(tmp_path):
+    out = tmp_path / "report"
+    assert cli_main(["report", str(mini_folder(tmp_path)), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    # 64 updates: late = all 64 (shorter than 128) = mean of 0 and 1 for both; early = first 64 as well.
+    assert "| ReSPO | 50.00 ± 0.00 (n=2)<br>+0.00 pp" in text
+    assert "All runs have at most 256 optimizer updates: for them the early window is the whole run" in text
+    log = read_log(tmp_path / "respo_verl_mini" / f"respo_n{N}_seed0.jsonl")
+    summary = summarise_run(log, None)
+    assert summary.log_step == "optimizer" and len(summary.curve) == UPDATES
+    assert summary.curve[:32] == [0.0] * 32 and summary.curve[32:] == [1.0] * 32
+
+
+def test_manifest_and_log_disagreeing_on_the_step_unit_is_refused(tmp_path, capsys):
+    per_update_log(tmp_path / "logs" / "m-respo-n8-s0.jsonl", -1.0, 1.0)
+    write_manifest([RunRecord("m-respo-n8-s0", "respo", N, 0, "logs/m-respo-n8-s0.jsonl", UPDATES, "h")], tmp_path)
+    assert cli_main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "manifest says one line per training step" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_log_whose_n_contradicts_its_name_is_refused(tmp_path, capsys):
+    per_update_log(tmp_path / "respo_n16_seed0.jsonl", -1.0, 1.0)  # the log says N = 8
+    assert cli_main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    assert "the file name says N = 16, the log says N = 8" in capsys.readouterr().err
+
+
+def _groups(folder: Path):
+    runs, logs = [], {}
+    for path in sorted(folder.glob("*.jsonl")):
+        log = read_log(path)
+        summary = summarise_run(log, None)
+        runs.append(summary)
+        logs[summary.name] = log
+    return summarise_groups(runs, logs)[0]
+
+
+def test_starved_mass_plot_is_one_mean_line_per_group_over_the_updates_run(tmp_path):
+    groups = _groups(mini_folder(tmp_path))
+    bands = starved_mass_bands(groups)
+    assert set(bands) == {("respo", N), ("vespo", N)}
+    respo = bands[("respo", N)]
+    assert respo.steps == list(range(1, UPDATES + 1)) and respo.seeds == 2
+    assert respo.mean[0] == pytest.approx(0.25) and respo.high[0] - respo.mean[0] == pytest.approx(0.0707107, abs=1e-6)
+    fig = starved_mass_figure(groups)
+    (ax,) = fig.axes
+    assert len(ax.get_lines()) == 2
+    assert ax.get_xlim() == (1, UPDATES)
+    assert max(max(line.get_xdata()) for line in ax.get_lines()) == UPDATES
+
+
+def test_starved_mass_plot_of_training_step_logs_spans_the_updates(tmp_path):
+    rows = [json.dumps({"step": s, "data": {"critic/score/mean": 0.0, "actor/vespo/starved_mass_share": 0.1}})
+            for s in range(1, 5)]  # fmt: skip
+    (tmp_path / "m-vespo-n8-s0.jsonl").write_text("\n".join(rows) + "\n")
+    bands = starved_mass_bands(_groups(tmp_path))
+    assert bands[("vespo", N)].steps == list(range(1, 4 * N + 1))  # 4 training steps of 8 updates
+
+
+def test_reward_range_01_on_pm1_logs_is_refused(tmp_path, capsys):
+    folder = mini_folder(tmp_path)
+    assert cli_main(["report", str(folder), "--reward-range", "01", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "lies outside the declared reward range [0, 1]" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_manifest_is_one_line_and_exit_2(tmp_path, capsys):
+    folder = mini_folder(tmp_path)
+    code = cli_main(["report", str(folder), "--manifest", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "r")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"respo-verl report: --manifest {tmp_path / 'nope.jsonl'}: no such file"
+
+
+def test_out_under_a_file_is_one_line_and_exit_2(tmp_path, capsys):
+    folder = mini_folder(tmp_path)
+    (tmp_path / "file").write_text("")
+    assert cli_main(["report", str(folder), "--out", str(tmp_path / "file" / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"respo-verl report: --out {tmp_path / 'file' / 'r'}: cannot write there")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_out_in_an_unwritable_place_is_one_line_and_exit_2(tmp_path, capsys):
+    folder = mini_folder(tmp_path)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert cli_main(["report", str(folder), "--out", str(locked / "r")]) == 2
+    assert "cannot write there" in capsys.readouterr().err
+
+
+def test_the_early_window_caveat_counts_the_short_runs_and_is_absent_without_them(tmp_path):
+    """The legend says which runs are no longer than the early window (their early score is their AUC)."""
+    short = summarise_run(read_log(per_update_log(tmp_path / "respo_n8_seed0.jsonl", early=-1.0, late=1.0)), None)
+    long = dataclasses.replace(short, name="respo_n8_seed1", curve=short.curve * 5)  # 320 updates
+    assert _short_run_note([short, long]) == (
+        " 1 of 2 runs have at most 256 optimizer updates: for them the early window is the whole run, so their "
+        "early score is their AUC."
+    )
+    assert _short_run_note([long]) == ""

@@ -1,0 +1,89 @@
+"""The shared run pieces: manifest records, log step units and the paper's windows, with hand-computed answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from respo_verl.tools.runs.logs import LogError, log_step, logged_reuse, read_log
+from respo_verl.tools.runs.manifest import RunRecord, read_manifest, write_manifest
+from respo_verl.tools.runs.stats import ScoreRangeError, per_update, score_curve, window_stats
+
+
+def write_lines(path: Path, rows: list[tuple[int, dict]]) -> Path:
+    path.write_text("".join(json.dumps({"step": step, "data": data}) + "\n" for step, data in rows))
+    return path
+
+
+def test_a_log_without_the_marker_counts_training_steps(tmp_path):
+    log = read_log(write_lines(tmp_path / "a.jsonl", [(s, {"critic/score/mean": 0.0}) for s in (1, 2, 3)]))
+    assert log_step(log) == "training"
+    assert log_step(log, declared="optimizer") == "optimizer"  # the manifest may say so
+    assert logged_reuse(log) is None
+
+
+def test_a_per_update_log_says_so_and_is_read_per_update(tmp_path):
+    rows = [(s, {"critic/score/mean": 0.0, "mini/optimizer_step": s, "mini/reuse": 4}) for s in range(1, 9)]
+    log = read_log(write_lines(tmp_path / "a.jsonl", rows))
+    assert log_step(log) == "optimizer"
+    assert log_step(log, declared="optimizer") == "optimizer"
+    assert logged_reuse(log) == 4
+    with pytest.raises(LogError, match="manifest says one line per training step"):
+        log_step(log, declared="training")
+
+
+def test_a_marker_that_disagrees_with_the_step_is_refused(tmp_path):
+    rows = [(s, {"critic/score/mean": 0.0, "mini/optimizer_step": 2 * s}) for s in (1, 2)]
+    with pytest.raises(LogError, match="step unit of this log is unknown"):
+        log_step(read_log(write_lines(tmp_path / "a.jsonl", rows)))
+
+
+def test_per_update_expands_training_steps_only():
+    assert per_update({1: 0.1, 2: 0.2}, 3, "training") == ([0.1, 0.1, 0.1, 0.2, 0.2, 0.2], [])
+    assert per_update({1: 0.1, 2: 0.2}, 3, "optimizer") == ([0.1, 0.2], [])
+    assert per_update({1: 0.1, 3: 0.3}, 1, "optimizer") == ([0.1, 0.3], [3])
+
+
+def test_windows_are_counted_in_optimizer_updates():
+    curve = [0.0] * 300 + [1.0] * 100 + [0.5] * 128  # 528 updates
+    stats = window_stats(curve)
+    assert stats.late == 0.5 and stats.updates == 528
+    assert stats.early == 0.0  # the first 256 updates
+    assert stats.auc == pytest.approx((100 + 64) / 528)
+    assert window_stats([0.2, 0.4]).late == pytest.approx(0.3)  # shorter than the window: the whole run
+
+
+@pytest.mark.parametrize(
+    ("reward_range", "values", "match"),
+    [("01", [-1.0, 1.0], "-1 at step 1 lies outside the declared reward range \\[0, 1\\]"), ("pm1", [0.5, 1.5], "1.5")],
+)
+def test_scores_outside_the_declared_range_are_refused(tmp_path, reward_range, values, match):
+    log = read_log(write_lines(tmp_path / "a.jsonl", [(i + 1, {"critic/score/mean": v}) for i, v in enumerate(values)]))
+    with pytest.raises(ScoreRangeError, match=match):
+        score_curve(log, 1, "training", reward_range=reward_range)
+
+
+def test_score_curve_converts_pm1_to_the_papers_score(tmp_path):
+    log = read_log(
+        write_lines(tmp_path / "a.jsonl", [(1, {"critic/score/mean": -1.0}), (2, {"critic/score/mean": 0.5})])
+    )
+    assert score_curve(log, 2, "training")[0] == [0.0, 0.0, 0.75, 0.75]
+    assert score_curve(log, 2, "optimizer", reward_range="pm1")[0] == [0.0, 0.75]
+
+
+def test_manifest_round_trip_and_clear_errors(tmp_path):
+    record = RunRecord("m-respo-n8-s0", "respo", 8, 0, "logs/m-respo-n8-s0.jsonl", 1024, "h", log_step="training")
+    path = write_manifest([record], tmp_path)
+    assert read_manifest(path) == [record]
+    assert record.last_log_step == 128
+    with pytest.raises(ValueError, match="no such manifest file"):
+        read_manifest(tmp_path / "missing.jsonl")
+    bad = json.dumps({**json.loads(path.read_text()), "algorithm": "ppo"})
+    (tmp_path / "bad.jsonl").write_text(bad + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: run m-respo-n8-s0: algorithm must be one of respo, vespo"):
+        read_manifest(tmp_path / "bad.jsonl")
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"list\.jsonl:1: not a run record"):
+        read_manifest(tmp_path / "list.jsonl")

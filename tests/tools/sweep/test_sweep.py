@@ -1,0 +1,183 @@
+"""`respo-verl sweep`: the paper grid expands, composes and prints; resumption skips complete runs."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+from omegaconf import OmegaConf
+
+from respo_verl.cli import main as cli_main
+from respo_verl.tools.runs.manifest import read_manifest, write_manifest
+from respo_verl.tools.sweep.grid import SweepSpec, expand
+from respo_verl.tools.sweep.runner import is_complete, run_locally, submit_to_ray
+from respo_verl.verl.compose import compose_job
+
+
+@pytest.fixture(scope="module")
+def paper_grid(tmp_path_factory):
+    """The paper's grid (4 algorithms × N ∈ {8, 16, 32} × 3 seeds), every run composed in-process."""
+    out = tmp_path_factory.mktemp("sweep")
+    spec = SweepSpec(
+        model="qwen3-30b-a3b",
+        preset="qwen3_30b_a3b_h200_1x8",
+        out_dir=out,
+        base_overrides=("actor_rollout_ref.model.path=/models/q",),
+    )
+    return expand(spec)
+
+
+def test_paper_grid_runs_differ_only_in_the_swept_keys(paper_grid):
+    records = paper_grid
+    assert len(records) == 36
+    assert len({r.name for r in records}) == 36
+    by_group = defaultdict(set)
+    for r in records:
+        overrides = dict(o.split("=", 1) for o in r.command[3:])
+        assert overrides["+cluster"] == "qwen3_30b_a3b_h200_1x8"
+        assert overrides["data.train_batch_size"] == str(32 * r.reuse)
+        assert overrides["actor_rollout_ref.actor.ppo_mini_batch_size"] == "32"
+        assert int(overrides["trainer.total_training_steps"]) * r.reuse == 1024
+        assert overrides["algorithm"] == r.algorithm and overrides["data.seed"] == str(r.seed)
+        assert r.env["VERL_FILE_LOGGER_PATH"].endswith(f"logs/{r.name}.jsonl")
+        by_group[(r.algorithm, r.reuse)].add(r.config_hash)
+    # Seeds of one setting share the configuration hash; different settings do not.
+    assert all(len(h) == 1 for h in by_group.values())
+    assert len({next(iter(h)) for h in by_group.values()}) == 12
+
+
+def test_dry_run_prints_every_run_and_writes_the_manifest(tmp_path, capsys):
+    argv = ["sweep", "--print", "--out", str(tmp_path), "--algos", "respo,vespo", "--reuse", "8,32", "--seeds", "0"]
+    assert cli_main([*argv, "--", "actor_rollout_ref.model.path=/m"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 4
+    assert all("-m respo_verl.main_ppo" in line for line in lines)
+    assert [r.name for r in read_manifest(tmp_path / "manifest.jsonl")] == [
+        "model-respo-n8-s0", "model-respo-n32-s0", "model-vespo-n8-s0", "model-vespo-n32-s0",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["respo", "verl"])
+def test_a_printed_command_composes_under_cfg_job(tmp_path, capsys, entry):
+    argv = ["sweep", "--print", "--entry", entry, "--out", str(tmp_path), "--algos", "gspo", "--reuse", "16"]
+    argv += ["--preset", "qwen3_1p7b_h100_2x8"]
+    assert cli_main([*argv, "--seeds", "2", "--", "actor_rollout_ref.rollout.name=vllm"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    words = shlex.split(line)
+    command = [w for w in words if "=" not in w or not w.split("=", 1)[0].isupper()]
+    out = subprocess.run([*command, "--cfg", "job"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    job = OmegaConf.create(out.stdout)
+    assert job.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
+    assert job.data.train_batch_size == 512 and job.trainer.total_training_steps == 64
+    assert job.trainer.experiment_name == "model-gspo-n16-s2" and job.data.seed == 2
+    assert job.trainer.nnodes == 2 and job.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--algos", "respo,ppo"], "unknown algorithm 'ppo'"),
+        (["--reuse", "24"], "N = 24 must be >= 1 and divide optimizer_steps = 1024"),
+        (["--seeds", ""], "expected a comma-separated list of integers"),
+        (["--preset", "no_such_cluster"], "run model-respo-n8-s0: cannot compose the 'respo' job"),
+        (["--reuse", "8", "16"], "unexpected argument(s) '16': lists are comma-separated (--reuse 8,16"),
+        (["--reuse", "8,,16"], "expected a comma-separated list of integers such as 8,16,32, got '8,,16'"),
+        (["--seeds", "0;1"], "got '0;1'"),
+        (["--reuse", "0"], "must be >= 1"),
+        (["--seeds", "1,1"], "repeats a value"),
+        (["--routing", "r4"], "invalid choice: 'r4'"),
+        (["--", "actor_rollout_ref.actor.policy_loss.respo.alpha_pos=0.5"],
+         "run model-respo-n8-s0: actor_rollout_ref.actor.policy_loss.respo: ReSPOConfig.alpha_pos must be >= 1"),
+        (["--algos", "vespo", "--", "actor_rollout_ref.actor.policy_loss.vespo.lambda_neg=-2"],
+         "VESPOConfig.lambda_neg must be >= 0, got -2.0"),
+        (["--routing", "r2", "--", "model_engine=dp"], "routing replay needs model_engine=megatron"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_reported_before_anything_runs(tmp_path, capsys, argv, message):
+    assert cli_main(["sweep", "--print", "--out", str(tmp_path), *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""
+    assert not (tmp_path / "manifest.jsonl").exists()
+
+
+def test_each_algorithm_is_composed_once_and_equals_composing_each_n(tmp_path, monkeypatch):
+    import respo_verl.tools.sweep.grid as grid
+
+    calls = []
+
+    def counting(entry, overrides):
+        calls.append(overrides)
+        return compose_job(entry, overrides)
+
+    monkeypatch.setattr(grid, "compose_job", counting)
+    spec = SweepSpec(algorithms=("respo", "gspo"), out_dir=tmp_path, base_overrides=("trainer.nnodes=2",))
+    records = expand(spec)
+    assert len(records) == 18 and len(calls) == 2
+    for r in records:
+        if r.seed == 1:  # composing the run itself gives the hash the grid derived
+            assert r.config_hash == grid.config_hash(compose_job("respo", r.command[3:]))
+
+
+def test_other_errors_are_not_reported_as_composition_failures(tmp_path, monkeypatch):
+    import respo_verl.tools.sweep.grid as grid
+
+    def broken(entry, overrides):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(grid, "compose_job", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli_main(["sweep", "--print", "--out", str(tmp_path)])
+
+
+def test_resumption_runs_only_incomplete_runs(tmp_path):
+    """Real subprocesses stand in for verl (which cannot train on CPU): each writes a complete file-logger log."""
+    spec = SweepSpec(algorithms=("respo",), reuse=(8,), seeds=(0, 1, 2), optimizer_steps=32, out_dir=tmp_path)
+    records = expand(spec, compose=False)
+    writer = (
+        "import json, os\n"
+        "with open(os.environ['VERL_FILE_LOGGER_PATH'], 'w') as f:\n"
+        "    for step in range(1, 5):\n"
+        "        f.write(json.dumps({'step': step, 'data': {'critic/score/mean': 0.0}}) + '\\n')\n"
+    )
+    for r in records:
+        r.command = [sys.executable, "-c", writer]
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / f"{records[0].name}.jsonl").write_text(
+        "".join(json.dumps({"step": s, "data": {"critic/score/mean": 1.0}}) + "\n" for s in range(1, 5))
+    )
+    (tmp_path / "logs" / f"{records[1].name}.jsonl").write_text(json.dumps({"step": 1, "data": {"x": 1}}) + "\n")
+    write_manifest(records, tmp_path)
+    outcomes = {o.name: o.line for o in run_locally(records, tmp_path, echo=lambda _: None)}
+    assert outcomes == {records[0].name: "skipped: log complete", records[1].name: "ran", records[2].name: "ran"}
+    assert all(is_complete(r, tmp_path) for r in records)
+    assert {o.name: o.line for o in run_locally(records, tmp_path, echo=lambda _: None)} == {
+        r.name: "skipped: log complete" for r in records
+    }
+
+
+def test_ray_submission_sends_each_incomplete_run_once(tmp_path):
+    """A recording client stands in for Ray's JobSubmissionClient: a Ray dashboard does not run in this test suite."""
+
+    class RecordingClient:
+        def __init__(self):
+            self.jobs = []
+
+        def submit_job(self, entrypoint, submission_id, runtime_env):
+            self.jobs.append((entrypoint, submission_id, runtime_env))
+            return submission_id
+
+    spec = SweepSpec(algorithms=("vespo",), reuse=(16,), seeds=(0, 1), out_dir=tmp_path)
+    records = expand(spec, compose=False)
+    client = RecordingClient()
+    outcomes = submit_to_ray(records, tmp_path, "http://head:8265", client=client)
+    assert [o.line for o in outcomes] == [f"submitted as {r.name}" for r in records]
+    entry, sid, env = client.jobs[0]
+    assert entry.startswith("python -m respo_verl.main_ppo algorithm=vespo") and sid == records[0].name
+    assert env == {"env_vars": records[0].env}
