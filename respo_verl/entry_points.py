@@ -17,5 +17,5 @@ PRIMARY_CONFIG = "respo_trainer"
 
 INSTALL_HINT = (
     "install respo-verl in the Python environment of every node that runs verl (pip install from the checkout or a "
-    'git URL; README, "Quick start"), or select a loss that verl ships'
+    "git URL; the README's Quick start), or select a loss that verl ships"
 )
