@@ -5,13 +5,17 @@ Same run as ``python -m verl.trainer.main_ppo +algorithm=respo ...``; the differ
 job before anything starts (kernel hyperparameters, routing replay off Megatron, the CPU preset's requirements; also
 under ``--cfg job``), the CPU preset's driver set-up (``+device=cpu``: CPU platform, tiny model kit), and a preflight
 that, once Ray is up, checks on every node that this package is importable and its losses are registered, so that a
-cluster with a node missing the package stops before any model is loaded. Both of verl's trainers run: the V1 trainer
-(default) and the legacy one (``trainer.use_v1=false``).
+cluster with a node missing the package stops before any model is loaded. With the respo-verl trainer (the presets'
+``trainer.v1.trainer_mode=respo_sync``), a resume from another run's checkpoint is refused before Ray starts, and
+SIGTERM saves a checkpoint at the end of the current step and ends the run with exit 0. Both of verl's trainers run:
+the V1 trainer (default) and the legacy one (``trainer.use_v1=false``, without the respo-verl trainer's additions).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -23,28 +27,83 @@ from respo_verl.verl.jobcheck import check_job
 ENTRY = "respo"  # respo_verl.verl.compose.ENTRY_CONFIGS key of this entry point
 
 
-def _with_preflight(runner_cls):
-    """A stand-in for a TaskRunner actor class that runs the node preflight right before the runner starts."""
+def _with_driver_hooks(runner_cls, config: DictConfig):
+    """A stand-in for a TaskRunner actor class that, once Ray is up and right before the runner starts, runs the node
+    preflight and installs the SIGTERM handler (:func:`_stop_on_sigterm`; here, because ``ray.init`` installs Ray's
+    own handler, which aborts the driver)."""
     from respo_verl.verl.preflight import check_ray_nodes
 
-    class _PreflightTaskRunner:
+    def _before_start():
+        check_ray_nodes()
+        _stop_on_sigterm(config)
+
+    class _HookedTaskRunner:
         @staticmethod
         def remote(*args, **kwargs):
-            check_ray_nodes()
+            _before_start()
             return runner_cls.remote(*args, **kwargs)
 
         @staticmethod
         def options(*args, **kwargs):
-            check_ray_nodes()
+            _before_start()
             return runner_cls.options(*args, **kwargs)
 
-    return _PreflightTaskRunner
+    return _HookedTaskRunner
+
+
+def _stop_on_sigterm(config: DictConfig) -> Path | None:
+    """Turn SIGTERM (Slurm's ``--signal``, a Kubernetes eviction) into a request to save and stop.
+
+    With the respo-verl trainer (``trainer.use_v1``, ``trainer.v1.trainer_mode=respo_sync``), the handler writes the
+    run's stop request (:func:`respo_verl.verl.checkpoint.stop_request`); the trainer, in its Ray actor, saves a
+    checkpoint at the end of the step it is in and ends the run, and this process exits 0. A stale request of an
+    earlier attempt is removed first. Any other trainer keeps Python's default (the process ends at once). Returns
+    the request's path, or None when the handler was not installed.
+    """
+    from respo_verl.verl import checkpoint
+
+    if not _uses_respo_trainer(config):
+        return None
+    request = checkpoint.stop_request(config)
+    request.unlink(missing_ok=True)
+
+    def _request_stop(signum, frame):
+        request.parent.mkdir(parents=True, exist_ok=True)
+        request.touch()
+        print(
+            f"respo_verl.main_ppo: {signal.Signals(signum).name}: the trainer saves at the end of this step and "
+            f"stops ({request}); send SIGKILL to end at once",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    signal.signal(signal.SIGTERM, _request_stop)
+    return request
+
+
+def _uses_respo_trainer(config: DictConfig) -> bool:
+    from omegaconf import OmegaConf
+
+    from respo_verl.verl.trainer import TRAINER_MODE
+
+    use_v1 = config.get("trainer", {}).get("use_v1", True)
+    return bool(use_v1) and OmegaConf.select(config, "trainer.v1.trainer_mode") == TRAINER_MODE
+
+
+def check_resume(config: DictConfig) -> None:
+    """With the respo-verl trainer, refuse a resume from another run's checkpoint before Ray starts (the trainer
+    checks again when it loads; :func:`respo_verl.verl.checkpoint.plan_resume`)."""
+    if _uses_respo_trainer(config):
+        from respo_verl.verl.checkpoint import plan_resume
+
+        plan_resume(config)
 
 
 def check(config: DictConfig) -> None:
     """Every check of a job that needs neither verl nor Ray (ValueError with one line naming the key)."""
     check_job(config)
     check_cpu_job(config)
+    check_resume(config)
 
 
 def run(config: DictConfig) -> None:
@@ -68,7 +127,7 @@ def run(config: DictConfig) -> None:
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
     try:
-        run_ppo(config, task_runner_class=_with_preflight(runner_cls))
+        run_ppo(config, task_runner_class=_with_driver_hooks(runner_cls, config))
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -1,6 +1,7 @@
 """Patches of verl 0.9.1, each a :class:`respo_verl.patches.Patch` that refuses any other verl version.
 
-All three serve verl on a CPU machine; none is applied on import.
+None is applied on import. The first three serve verl on a CPU machine; the last one every run of the respo-verl
+trainer.
 
 - :data:`GLOO_DEFAULT_BACKEND`, applied by the CPU runtime (``respo_verl.cpu.runtime.enable``).
   ``verl.utils.distributed.initialize_global_process_group_ray`` defaults its backend to
@@ -28,6 +29,13 @@ All three serve verl on a CPU machine; none is applied on import.
     :func:`per_sample_routes`).
 
   Delete when: verl's Megatron engine runs on a CPU platform with megatron-core's local layers.
+- :data:`FILE_LOGGER_APPEND`, applied by the respo-verl trainer (``respo_verl/verl/trainer.py``) in the process
+  that builds verl's ``Tracking``. verl's ``verl.utils.tracking.FileLogger`` opens its file with ``"wb"``, so a
+  resumed run erases the steps it logged before the pre-emption. Under the patch ``Tracking`` builds
+  :class:`AppendingFileLogger`: same file, same lines, but a file that already holds lines is appended to, after
+  one line ``{"event": "resume", "attempt": k}`` (:data:`RESUME_EVENT`) that marks where the attempt starts; readers
+  keep the last attempt's line of a repeated step (``respo_verl/tools/runs/logs.py``).
+  Delete when: verl's file logger appends on resume.
 """
 
 from __future__ import annotations
@@ -233,3 +241,43 @@ def _megatron_engine_on_cpu(patch: Patch) -> None:
 
 
 MEGATRON_ENGINE_ON_CPU = Patch("verl's Megatron engine on padded CPU batches", VERL, VERSION, _megatron_engine_on_cpu)
+
+
+# The line an appending file logger writes where a resumed attempt starts.
+RESUME_EVENT = "resume"
+
+
+def _appending_file_logger(file_logger_cls: type) -> type:
+    """verl's FileLogger, appending (see the module docstring)."""
+    import orjson
+
+    class AppendingFileLogger(file_logger_cls):
+        def __init__(self, project_name: str, experiment_name: str):
+            import os
+
+            self.project_name, self.experiment_name = project_name, experiment_name
+            self.filepath = os.getenv("VERL_FILE_LOGGER_PATH", None)
+            if self.filepath is None:
+                root = os.path.expanduser(os.getenv("VERL_FILE_LOGGER_ROOT", "."))
+                os.makedirs(os.path.join(root, project_name), exist_ok=True)
+                self.filepath = os.path.join(root, project_name, f"{experiment_name}.jsonl")
+            attempts = 0
+            if os.path.isfile(self.filepath) and os.path.getsize(self.filepath) > 0:
+                with open(self.filepath, "rb") as fh:
+                    attempts = 2 + sum(b'"event":"resume"' in line for line in fh)
+            print(f"Creating file logger at {os.path.abspath(self.filepath)} ({'appending' if attempts else 'new'})")
+            self.fp = open(self.filepath, "ab", buffering=0)
+            if attempts:
+                self.fp.write(orjson.dumps({"event": RESUME_EVENT, "attempt": attempts}) + b"\n")
+
+    return AppendingFileLogger
+
+
+def _file_logger_append(patch: Patch) -> None:
+    from verl.utils import tracking
+
+    why = "verl's file logger truncates its file, so a resumed run loses the steps it logged before"
+    patch.replace(tracking, "FileLogger", _appending_file_logger(vars(tracking)["FileLogger"]), why)
+
+
+FILE_LOGGER_APPEND = Patch("verl's file logger appends on resume", VERL, VERSION, _file_logger_append)

@@ -100,6 +100,9 @@ def compose_job(entry: str, overrides: Sequence[str] = ()):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from respo_verl.verl import resolvers
+
+    resolvers.register()  # the presets' ${respo_verl.*:...} interpolations
     if entry not in ENTRY_CONFIGS:
         raise ComposeError(f"entry must be one of {sorted(ENTRY_CONFIGS)}, got {entry!r}")
     package, name = ENTRY_CONFIGS[entry]

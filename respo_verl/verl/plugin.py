@@ -1,5 +1,6 @@
-"""Registers respo-verl in verl: the ``respo``/``vespo`` policy losses, the ``respo`` advantage estimator, and the
-route-drift Megatron engines. Registrations only, through verl's public registries; no patch.
+"""Registers respo-verl in verl: the ``respo``/``vespo`` policy losses, the ``respo`` advantage estimator, the
+route-drift Megatron engines, the respo-verl trainer (``trainer.v1.trainer_mode=respo_sync``) and the presets'
+OmegaConf resolvers. Registrations only, through verl's and OmegaConf's public registries; no patch.
 
 Loaded three ways, so that every process of a run has the registrations:
 
@@ -24,10 +25,14 @@ from respo_verl.entry_points import INSTALL_HINT
 from respo_verl.routing.engine import REGISTRATION as ROUTE_DRIFT_ENGINES
 from respo_verl.verl import advantage as _advantage  # noqa: F401  (registers "respo" estimator)
 from respo_verl.verl import losses as _losses  # noqa: F401  (registers "respo", "vespo" losses)
+from respo_verl.verl import resolvers
+from respo_verl.verl.trainer import REGISTRATION as TRAINER
 
 POLICY_LOSSES = ("respo", "vespo")
 ADVANTAGE_ESTIMATORS = ("respo",)
 ROUTE_DRIFT_ENGINES.apply()
+TRAINER.apply()
+resolvers.register()
 
 
 def require_policy_loss(loss_mode: str) -> None:
@@ -44,4 +49,5 @@ def registered() -> dict[str, bool]:
     status = {f"policy_loss/{name}": name in POLICY_LOSS_REGISTRY for name in POLICY_LOSSES}
     status.update({f"adv_estimator/{name}": name in ADV_ESTIMATOR_REGISTRY for name in ADVANTAGE_ESTIMATORS})
     status["engine/route_drift"] = ROUTE_DRIFT_ENGINES.applied
+    status["trainer/respo_sync"] = TRAINER.applied
     return status

@@ -31,6 +31,7 @@ ALL_REGISTERED = {
     **{f"policy_loss/{name}": True for name in POLICY_LOSSES},
     **{f"adv_estimator/{name}": True for name in ADVANTAGE_ESTIMATORS},
     "engine/route_drift": True,
+    "trainer/respo_sync": True,
 }
 
 REGISTRY_PROBE = """

@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from respo_verl.tools.plan.checkpoints import checkpoint_plan
 from respo_verl.tools.plan.layout import Layout, LayoutError, layout_from_config
 from respo_verl.tools.plan.memory import MemoryEstimate, estimate_memory
 from respo_verl.tools.plan.models import SHIPPED_MODELS, ModelConfigError, ModelShape, shape_from_hf_config
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     out.print(
         f"model: {model.name}, {model.total_params / 1e9:.2f} B params ({model.active_params / 1e9:.2f} B active)"
     )
+    cfg = compose_preset(args.preset, args.overrides, algorithm=args.algorithm)
+    out.print(checkpoint_plan(model, lay, cfg).summary(), markup=False)
     if violations:
         out.print(f"\nDOES NOT FIT / INVALID: {len(violations)} rule(s) violated", style="bold red")
         for v in violations:

@@ -106,11 +106,13 @@ def summarise_run(
         source = "manifest" if record is not None else "file name"
         raise LogError(f"{run.path}: the {source} says N = {reuse}, the log says N = {logged}")
     curve, notes = score_curve(run, reuse, unit, score_key, reward_range)
+    notes += [f"log: {note}" for note in run.continuity]
     complete = None
     if record is not None:
-        complete = run.last_step >= record.last_log_step
+        complete = run.complete_through(record.last_log_step)
         if not complete:
-            notes.append(f"incomplete: {run.last_step} of {record.last_log_step} {unit} steps logged")
+            logged = sum(1 for step in run.steps if 1 <= step <= record.last_log_step)
+            notes.append(f"incomplete: {logged} of {record.last_log_step} {unit} steps logged")
     windows = window_stats(curve)
     if windows.updates < LATE_WINDOW:
         notes.append(f"only {windows.updates} optimizer steps: the late window covers the whole run")

@@ -8,6 +8,12 @@ so a log is never read with the wrong step unit, manifest or not.
 
 A run killed mid-write leaves a truncated last line, and NaN metrics arrive as ``null``: both are expected and
 reported, not fatal. Anything else malformed is skipped with its line number, never guessed at.
+
+A resumed run appends to its log after a line ``{"event": "resume", "attempt": k}`` (the respo-verl trainer's file
+logger). Steps logged again by a later attempt (those after the checkpoint it resumed from) are counted once, the
+latest attempt's line kept; :attr:`RunLog.continuity` says so, and says when the log does not start at step 1 or
+skips steps (a log truncated by an older logger, or pieces of two runs), so that a reader never takes such a log
+for a complete run (:meth:`RunLog.complete_through`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The line a resumed attempt's file logger writes first (respo_verl.patches.verl_0_9_1.RESUME_EVENT).
+RESUME_EVENT = "resume"
 # What the ``step`` of a line counts: a training step (one rollout batch, N updates) or one optimizer update.
 LOG_STEPS = ("training", "optimizer")
 # Logged on every line of a per-update log, equal to the line's step.
@@ -37,11 +45,21 @@ class RunLog:
         path: the log file.
         metrics: metric name -> {step: value}; only finite numbers.
         skipped: human-readable notes on every line or value that was not used.
+        continuity: notes on the sequence of logged steps: a first step other than 1, gaps, steps logged by more than
+            one attempt (and which attempt's line was kept).
+        attempts: how many attempts wrote the log (1 + its resume lines).
     """
 
     path: Path
     metrics: dict[str, dict[int, float]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    continuity: list[str] = field(default_factory=list)
+    attempts: int = 1
+
+    def complete_through(self, last: int) -> bool:
+        """Whether every step 1..``last`` was logged (no late start, no gap up to ``last``)."""
+        logged = set(self.steps)
+        return last >= 1 and all(step in logged for step in range(1, last + 1))
 
     @property
     def steps(self) -> list[int]:
@@ -70,6 +88,9 @@ def read_log(path: Path) -> RunLog:
         raise LogError(f"{path}: cannot read the log ({exc.strerror or exc})") from None
     if lines and lines[-1] == b"":
         lines.pop()
+    attempt = 1
+    written_by: dict[int, int] = {}  # step -> the attempt whose line is kept
+    repeated: dict[int, list[int]] = {}  # step -> every attempt that logged it
     for lineno, raw in enumerate(lines, start=1):
         where = f"{path.name}:{lineno}"
         if not raw.strip():
@@ -80,6 +101,10 @@ def read_log(path: Path) -> RunLog:
             truncated = lineno == len(lines) and not raw.rstrip().endswith(b"}")
             run.skipped.append(f"{where}: {'truncated last line' if truncated else 'not JSON'} ({exc})")
             continue
+        if isinstance(record, dict) and record.get("event") == RESUME_EVENT:
+            attempt = int(record.get("attempt") or attempt + 1)
+            run.attempts = max(run.attempts, attempt)
+            continue
         if not isinstance(record, dict) or not isinstance(record.get("data"), dict):
             run.skipped.append(f"{where}: not a file-logger record (expected {{'step': int, 'data': {{...}}}})")
             continue
@@ -87,6 +112,9 @@ def read_log(path: Path) -> RunLog:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             run.skipped.append(f"{where}: step {step!r} is not a non-negative integer")
             continue
+        if step in written_by and written_by[step] != attempt:
+            repeated.setdefault(step, [written_by[step]]).append(attempt)
+        written_by[step] = attempt
         for key, value in record["data"].items():
             if value is None:
                 run.skipped.append(f"{where}: {key} is null (NaN when logged)")
@@ -97,12 +125,46 @@ def read_log(path: Path) -> RunLog:
                 run.skipped.append(f"{where}: {key} = {value}")
                 continue
             series = run.metrics.setdefault(key, {})
-            if step in series:
+            if step in series and step not in repeated:
                 run.skipped.append(f"{where}: step {step} of {key} logged twice; the later value is used")
             series[step] = float(value)
     if not run.metrics:
         raise LogError(f"{path}: no usable metric lines ({len(run.skipped)} skipped: {run.skipped[:3]})")
+    run.continuity = _continuity(run.steps, repeated, written_by)
     return run
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"``."""
+    parts, start = [], None
+    for i, step in enumerate(steps):
+        if start is None:
+            start = step
+        if i + 1 == len(steps) or steps[i + 1] != step + 1:
+            parts.append(f"{start}" if start == step else f"{start}-{step}")
+            start = None
+    return ", ".join(parts)
+
+
+def _continuity(steps: list[int], repeated: dict[int, list[int]], written_by: dict[int, int]) -> list[str]:
+    notes: list[str] = []
+    steps = [s for s in steps if s >= 1]  # step 0 holds validation before training, when there is one
+    if not steps:
+        return notes
+    if steps[0] > 1:
+        notes.append(f"starts at step {steps[0]}, not 1: steps {_ranges(list(range(1, steps[0])))} are missing")
+    missing = sorted(set(range(steps[0], steps[-1] + 1)) - set(steps))
+    if missing:
+        notes.append(f"gap: steps {_ranges(missing)} are missing")
+    if repeated:
+        steps_again = sorted(repeated)
+        kept = sorted({written_by[s] for s in steps_again})
+        notes.append(
+            f"steps {_ranges(steps_again)} were logged by more than one attempt (attempts "
+            f"{sorted({a for s in steps_again for a in repeated[s]})}); each is counted once, the line of attempt "
+            f"{', '.join(map(str, kept))} kept"
+        )
+    return notes
 
 
 def log_step(run: RunLog, declared: str | None = None) -> str:

@@ -37,12 +37,13 @@ def log_path(record: RunRecord, out_dir: Path) -> Path:
 
 
 def is_complete(record: RunRecord, out_dir: Path) -> bool:
-    """A run is complete when its log reaches its planned last step."""
+    """A run is complete when its log holds every step up to its planned last step (a log that starts late or has a
+    gap is not complete, whatever its last step)."""
     path = log_path(record, out_dir)
     if not path.exists():
         return False
     try:
-        return read_log(path).last_step >= record.last_log_step
+        return read_log(path).complete_through(record.last_log_step)
     except LogError:
         return False
 

@@ -169,3 +169,53 @@ def test_task_presets_set_the_dapo_reward():
     assert (val.temperature, val.top_p, val.n, val.do_sample) == (1.0, 0.7, 16, True)
     plain = _job("respo", "qwen3_1p7b_h100_1x8", "dapo_math")
     assert plain.reward.reward_kwargs.overlong_buffer_cfg.enable is False
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_every_preset_saves_every_32_updates_into_a_folder_of_its_own(preset):
+    cfg = _job("respo", preset)
+    reuse = cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    assert cfg.trainer.save_freq == max(1, 32 // reuse) > 0
+    assert cfg.trainer.resume_mode == "auto" and cfg.trainer.max_actor_ckpt_to_keep == 2
+    folder = Path(cfg.trainer.default_local_dir)
+    assert folder.is_absolute() and folder.name == cfg.trainer.experiment_name
+    assert cfg.trainer.experiment_name.startswith(f"respo_n{reuse}_seed{cfg.actor_rollout_ref.rollout.seed}_")
+
+
+def test_runs_that_differ_in_algorithm_n_seed_or_routing_get_different_folders():
+    preset = "qwen3_30b_a3b_h200_1x8"
+    base = ["+cluster=" + preset, "+task=dapo_math_overlong", "actor_rollout_ref.model.path=/m/Qwen3-30B-A3B-Base"]
+    variants = {
+        "respo": ["algorithm=respo"],
+        "vespo": ["algorithm=vespo"],
+        "grpo": ["algorithm=grpo"],
+        "n16": ["algorithm=respo", "data.train_batch_size=512"],
+        "seed2": ["algorithm=respo", "actor_rollout_ref.rollout.seed=2"],
+        "r3": ["algorithm=respo", "routing=r3"],
+    }
+    folders = {k: compose([*v, *base], entry="respo").trainer.default_local_dir for k, v in variants.items()}
+    assert len(set(folders.values())) == len(folders), folders
+    assert folders["respo"].endswith("/respo_verl/respo_n8_seed42_Qwen3-30B-A3B-Base")
+    assert folders["r3"].endswith("_Qwen3-30B-A3B-Base_r3") and folders["grpo"].split("/")[-1].startswith("grpo_n8")
+
+
+def test_checkpoint_root_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("RESPO_VERL_CHECKPOINTS", "/scratch/ckpt")
+    cfg = compose(["algorithm=respo", "+cluster=qwen3_1p7b_h100_1x8", "+task=dapo_math_overlong"], entry="respo")
+    assert cfg.trainer.default_local_dir.startswith("/scratch/ckpt/respo_verl/respo_n")
+
+
+def test_the_planner_prints_the_checkpoint_cost(capsys):
+    from respo_verl.tools.plan.cli import main
+
+    assert main(["qwen3_30b_a3b_h200_1x8", "data.train_batch_size=512"]) == 0  # N = 16
+    out = " ".join(capsys.readouterr().out.split())
+    # 30.53 B parameters x (2 bytes bf16 weights + 12 bytes fp32 main parameters and Adam moments)
+    assert (
+        "checkpoints: every 2 training steps (32 optimizer updates) and at the last; 427 GB each, 2 kept: 855 GB" in out
+    )
+    assert main(["qwen3_1p7b_h100_1x8", "trainer.save_freq=-1"]) in (0, 1)
+    assert "checkpoints: OFF (trainer.save_freq=-1)" in capsys.readouterr().out

@@ -140,3 +140,20 @@ def test_log_without_manifest_or_parsable_name_is_left_out(logs_dir):
     out = logs_dir / "report"
     assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
     assert "stray.jsonl: no manifest entry" in (out / "report.md").read_text()
+
+
+def test_a_log_truncated_by_a_resume_and_one_with_a_repeated_step_are_flagged(logs_dir):
+    grid(logs_dir, {"respo": [0.6, 0.6], "vespo": [0.5, 0.5]})
+    truncated = logs_dir / "logs" / "m-respo-n8-s0.jsonl"
+    truncated.write_text("\n".join(truncated.read_text().splitlines()[2:]) + "\n")  # steps 3..128 only
+    repeated = logs_dir / "logs" / "m-respo-n8-s1.jsonl"
+    lines = repeated.read_text().splitlines()
+    resume = [json.dumps({"event": "resume", "attempt": 2}), *lines[40:42]]  # steps 41, 42 again
+    repeated.write_text("\n".join([*lines[:42], *resume, *lines[42:]]) + "\n")
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "m-respo-n8-s0: log: starts at step 3, not 1: steps 1-2 are missing" in text
+    assert "m-respo-n8-s0: incomplete: 126 of 128 training steps logged" in text
+    assert "m-respo-n8-s1: log: steps 41-42 were logged by more than one attempt (attempts [1, 2])" in text
+    assert "m-respo-n8-s1: incomplete" not in text

@@ -87,3 +87,59 @@ def test_manifest_round_trip_and_clear_errors(tmp_path):
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     with pytest.raises(ValueError, match=r"list\.jsonl:1: not a run record"):
         read_manifest(tmp_path / "list.jsonl")
+
+
+# --- logs of resumed runs --------------------------------------------------------------------------------------------
+
+
+def test_a_log_that_starts_late_or_has_a_gap_is_not_complete(tmp_path):
+    late = read_log(write_lines(tmp_path / "late.jsonl", [(s, {"critic/score/mean": 0.0}) for s in (3, 4, 5, 6)]))
+    assert late.continuity == ["starts at step 3, not 1: steps 1-2 are missing"]
+    assert not late.complete_through(6)
+    gap = read_log(write_lines(tmp_path / "gap.jsonl", [(s, {"critic/score/mean": 0.0}) for s in (0, 1, 2, 5, 6)]))
+    assert gap.continuity == ["gap: steps 3-4 are missing"]  # step 0 (validation before training) is no start
+    assert gap.complete_through(2) and not gap.complete_through(6)
+
+
+def test_a_step_repeated_by_a_resumed_attempt_is_counted_once_the_latest_kept(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", [(s, {"critic/score/mean": float(s)}) for s in (1, 2, 3)])
+    with path.open("a") as fh:
+        fh.write(json.dumps({"event": "resume", "attempt": 2}) + "\n")
+        for s in (3, 4):
+            fh.write(json.dumps({"step": s, "data": {"critic/score/mean": 10.0 * s}}) + "\n")
+    log = read_log(path)
+    assert log.attempts == 2 and log.steps == [1, 2, 3, 4]
+    assert log.metrics["critic/score/mean"] == {1: 1.0, 2: 2.0, 3: 30.0, 4: 40.0}
+    assert log.continuity == [
+        "steps 3 were logged by more than one attempt (attempts [1, 2]); each is counted once, the line of attempt 2 "
+        "kept"
+    ]
+    assert not log.skipped and log.complete_through(4)
+
+
+def test_the_patched_file_logger_appends_after_a_resume_line_and_the_reader_agrees(tmp_path, monkeypatch):
+    """verl's own FileLogger under respo-verl's version-keyed patch (respo_verl/patches/verl_0_9_1.py)."""
+    from verl.utils import tracking
+
+    from respo_verl.patches.verl_0_9_1 import FILE_LOGGER_APPEND
+
+    original = tracking.FileLogger
+    path = tmp_path / "run.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    FILE_LOGGER_APPEND.apply()
+    try:
+        for attempt, steps in enumerate(((1, 2, 3), (3, 4), (5,)), start=1):
+            logger = tracking.FileLogger("p", "e")  # what verl's Tracking builds for logger "file"
+            for step in steps:
+                logger.log({"critic/score/mean": attempt + step / 10}, step)
+            logger.finish()
+    finally:
+        FILE_LOGGER_APPEND.remove()
+    assert tracking.FileLogger is original
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line.get("event") for line in lines if "event" in line] == ["resume", "resume"]
+    assert [line["attempt"] for line in lines if "event" in line] == [2, 3]
+    log = read_log(path)
+    assert log.attempts == 3 and log.complete_through(5)
+    assert log.metrics["critic/score/mean"][3] == pytest.approx(2.3)  # attempt 2's line
+    assert "the line of attempt 2 kept" in log.continuity[0]

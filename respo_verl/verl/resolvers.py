@@ -1,0 +1,53 @@
+"""OmegaConf resolvers the presets use for a run's identity and its checkpoint interval.
+
+:func:`register` registers them (idempotent); the plugin calls it in every verl process and composition calls it
+before composing, so that the presets resolve the same wherever a job is composed or resolved. Imports omegaconf only.
+
+- ``${respo_verl.run_name:<loss_mode>,<train_batch_size>,<ppo_mini_batch_size>,<seed>,<model path>,<routing>}``:
+  ``<algorithm>_n<N>_seed<seed>_<model folder name>[_<routing>]``, the default experiment name (and so the default
+  checkpoint folder) of a run, N = train_batch_size / ppo_mini_batch_size;
+- ``${respo_verl.save_freq:<updates>,<train_batch_size>,<ppo_mini_batch_size>}``: the training-step interval that
+  saves every ``updates`` optimizer updates (at least every step), so that a pre-emption loses the same share of the
+  run at every N.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+NAMESPACE = "respo_verl"
+# verl's loss name -> the algorithm preset that selects it (the name runs carry).
+ALGORITHM_OF_LOSS = {"respo": "respo", "vespo": "vespo", "vanilla": "grpo", "gspo": "gspo"}
+
+
+def _reuse(train_batch_size, mini_batch_size) -> int:
+    train, mini = int(train_batch_size), int(mini_batch_size)
+    if mini < 1 or train % mini:
+        raise ValueError(
+            f"data.train_batch_size={train} is not a whole number of mini-batches of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}"
+        )
+    return train // mini
+
+
+def run_name(loss_mode, train_batch_size, mini_batch_size, seed, model_path, routing="off") -> str:
+    """``<algorithm>_n<N>_seed<seed>_<model>[_<routing>]`` (see the module docstring)."""
+    algorithm = ALGORITHM_OF_LOSS.get(str(loss_mode), str(loss_mode))
+    model = PurePosixPath(str(model_path).rstrip("/")).name or "model"
+    name = f"{algorithm}_n{_reuse(train_batch_size, mini_batch_size)}_seed{seed}_{model}"
+    routing = str(routing).lower()
+    return name if routing in ("off", "disabled", "", "none", "false") else f"{name}_{routing}"
+
+
+def save_freq(updates, train_batch_size, mini_batch_size) -> int:
+    """Training steps between checkpoints: every ``updates`` optimizer updates, at least every step."""
+    return max(1, int(updates) // _reuse(train_batch_size, mini_batch_size))
+
+
+def register() -> None:
+    """Register the resolvers under ``respo_verl.*`` (idempotent)."""
+    from omegaconf import OmegaConf
+
+    for name, function in (("run_name", run_name), ("save_freq", save_freq)):
+        if not OmegaConf.has_resolver(f"{NAMESPACE}.{name}"):
+            OmegaConf.register_new_resolver(f"{NAMESPACE}.{name}", function)

@@ -1,0 +1,212 @@
+"""The respo-verl trainer: verl 0.9.1's synchronous PPO trainer with the guards a days-long run needs.
+
+Registered through verl's public trainer registry as ``respo_sync`` (:data:`REGISTRATION`, applied by the plugin,
+which waits until verl imports its V1 trainers) and selected by the algorithm presets with verl's own
+``trainer.v1.trainer_mode``. It adds, to verl's ``PPOTrainerSync`` and nothing else:
+
+- **checkpoints that know their run.** After verl saves a checkpoint, :mod:`respo_verl.verl.checkpoint`'s marker
+  (the run's fingerprint) is written into it; before verl resumes, the folder is checked: a checkpoint of another
+  configuration stops the run, a half-written one is skipped loudly (:func:`respo_verl.verl.checkpoint.plan_resume`).
+- **a log that keeps every step.** verl's file logger opens its file with ``"wb"``; the trainer applies
+  :data:`respo_verl.patches.verl_0_9_1.FILE_LOGGER_APPEND`, under which a resumed run appends to its log after a
+  line that marks the resume (:data:`respo_verl.patches.verl_0_9_1.RESUME_EVENT`).
+- **a stop on request.** When :func:`respo_verl.verl.checkpoint.stop_request` exists (the entry point writes it on
+  SIGTERM), the trainer saves a checkpoint at the end of the current step and ends the run.
+- **guards** on every step's metrics (:class:`GuardConfig`, the ``run_guard`` node of the presets): samples whose
+  reward failed and were replaced by padding (``respo_verl/failed_samples``, ``.../failed_share``) above a share, and
+  a collapsed policy (the clamp share of log W above a bound, or entropy near 0 with no group that carries a signal
+  for K steps in a row) stop the run with the metric and the step named.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from respo_verl.patches import Patch
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODE = "respo_sync"
+TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_sync"
+FAILED_SAMPLES_KEY = "respo_verl/failed_samples"
+FAILED_SHARE_KEY = "respo_verl/failed_share"
+ENTROPY_KEY = "actor/entropy"
+ADVANTAGE_KEYS = ("critic/advantages/max", "critic/advantages/min")
+# The kernel losses' share of sequences whose log W sits at the clamp, under actor/<loss>/.
+CLAMP_SUFFIX = "/clamp_frac"
+
+
+class RunStopped(RuntimeError):
+    """A guard stopped the run; the message names the metric, its value, the bound and the step."""
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The ``run_guard`` node (defaults: configs/respo_verl/run_guard.yaml; validated here).
+
+    Attributes:
+        enable: run the guards at all.
+        max_failed_share: the largest share of a step's samples whose reward failed (replaced by padding) that the
+            run tolerates; 0 stops at the first failure.
+        max_clamp_share: the largest share of sequences with log W at the clamp (±log_w_clip) tolerated in a step.
+        min_entropy: entropy below this counts as collapsed ...
+        collapse_steps: ... when, in as many consecutive steps, no group carries a signal (all advantages 0).
+    """
+
+    enable: bool = True
+    max_failed_share: float = 0.0
+    max_clamp_share: float = 0.1
+    min_entropy: float = 1.0e-3
+    collapse_steps: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_failed_share", "max_clamp_share"):
+            value = getattr(self, name)
+            if not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"run_guard.{name}={value} must be in [0, 1]")
+        if float(self.min_entropy) < 0:
+            raise ValueError(f"run_guard.min_entropy={self.min_entropy} must be >= 0")
+        if int(self.collapse_steps) < 1:
+            raise ValueError(f"run_guard.collapse_steps={self.collapse_steps} must be >= 1")
+
+    @classmethod
+    def from_config(cls, node: Any) -> GuardConfig:
+        known = {f.name for f in fields(cls)}
+        given = dict(node or {})
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"run_guard has no key(s) {unknown}; known: {sorted(known)}")
+        return cls(**given)
+
+
+class StepGuards:
+    """The guards of :class:`GuardConfig` over a run's steps (pure: metrics in, :class:`RunStopped` out)."""
+
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self._quiet_steps = 0
+
+    def check(self, metrics: dict[str, Any], step: int) -> None:
+        c = self.config
+        if not c.enable:
+            return
+        share = metrics.get(FAILED_SHARE_KEY)
+        if share is not None and share > c.max_failed_share:
+            raise RunStopped(
+                f"step {step}: {FAILED_SHARE_KEY}={share:.4f} ({metrics.get(FAILED_SAMPLES_KEY)} samples whose "
+                f"reward failed were replaced by padding) > run_guard.max_failed_share={c.max_failed_share}"
+            )
+        for key, value in sorted(metrics.items()):
+            if key.endswith(CLAMP_SUFFIX) and isinstance(value, int | float) and value > c.max_clamp_share:
+                raise RunStopped(
+                    f"step {step}: {key}={value:.3f} > run_guard.max_clamp_share={c.max_clamp_share}: log W sits at "
+                    "its clamp for that share of the sequences (a collapsed or diverged policy)"
+                )
+        entropy = metrics.get(ENTROPY_KEY)
+        extremes = [metrics.get(key) for key in ADVANTAGE_KEYS]
+        no_signal = all(v is not None and abs(v) < 1e-12 for v in extremes)
+        if entropy is not None and entropy < c.min_entropy and no_signal:
+            self._quiet_steps += 1
+        else:
+            self._quiet_steps = 0
+        if self._quiet_steps >= c.collapse_steps:
+            raise RunStopped(
+                f"step {step}: {ENTROPY_KEY}={entropy:.2e} < run_guard.min_entropy={c.min_entropy} and no group with "
+                f"a signal ({', '.join(ADVANTAGE_KEYS)} = 0) for {self._quiet_steps} steps in a row "
+                f"(run_guard.collapse_steps={c.collapse_steps}): the policy has collapsed"
+            )
+
+
+def failed_sample_metrics(tags: list[dict], expected: int) -> dict[str, float]:
+    """Samples of a step replaced by padding: ``expected`` (prompts × n) minus the step's real samples.
+
+    verl pads a batch for two reasons: to a multiple of the data-parallel size, and in place of prompt groups or
+    samples whose rollout or reward failed. Only the second leaves fewer than ``expected`` real samples.
+    """
+    real = sum(not tag.get("is_padding", False) for tag in tags)
+    failed = max(0, int(expected) - real)
+    return {FAILED_SAMPLES_KEY: float(failed), FAILED_SHARE_KEY: failed / expected if expected else 0.0}
+
+
+def _trainer_class() -> type:
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from respo_verl.patches import verl_0_9_1
+    from respo_verl.verl import checkpoint
+
+    class RespoTrainer(PPOTrainerSync):
+        """verl's ``PPOTrainerSync`` with the additions of :mod:`respo_verl.verl.trainer`."""
+
+        def __init__(self, config, *args, **kwargs):
+            guard = GuardConfig.from_config(config.get("run_guard"))
+            self._guards = StepGuards(guard)
+            # The run's identity before verl adds its own keys (optimizer step counts, TransferQueue) to the config.
+            self._run = checkpoint.identity(config)
+            verl_0_9_1.FILE_LOGGER_APPEND.apply()
+            super().__init__(config, *args, **kwargs)
+
+        def _load_checkpoint(self):
+            plan = checkpoint.plan_resume(self.config, run=self._run)
+            for line in plan.warnings:
+                logger.warning("respo-verl: %s", line)
+                print(f"respo-verl: WARNING: {line}", flush=True)
+            if plan.resume_from is not None and self.config.trainer.resume_mode == "auto":
+                from omegaconf import open_dict
+
+                with open_dict(self.config.trainer):
+                    self.config.trainer.resume_mode = "resume_path"
+                    self.config.trainer.resume_from_path = str(plan.resume_from)
+                try:
+                    return super()._load_checkpoint()
+                finally:
+                    with open_dict(self.config.trainer):
+                        self.config.trainer.resume_mode = "auto"
+            return super()._load_checkpoint()
+
+        def _save_checkpoint(self):
+            super()._save_checkpoint()
+            folder = Path(checkpoint.checkpoint_folder(self.config)) / f"global_step_{self.global_steps}"
+            folder.mkdir(parents=True, exist_ok=True)
+            checkpoint.write_marker_info(folder, {**self._run, "step": int(self.global_steps)})
+            self._saved_step = self.global_steps
+
+        def on_step_end(self):
+            super().on_step_end()
+            request = checkpoint.stop_request(self.config)
+            if request.is_file() and self.global_steps < self.total_training_steps:
+                if getattr(self, "_saved_step", None) != self.global_steps:
+                    self._save_checkpoint()
+                print(
+                    f"respo-verl: stop requested ({request}): saved global_step_{self.global_steps}, ending the run",
+                    flush=True,
+                )
+                request.unlink(missing_ok=True)
+                self.total_training_steps = self.global_steps  # verl's loop ends after logging this step
+
+        def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+            super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+            expected = int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
+            metrics.update(failed_sample_metrics(list(batch.tags), expected))
+            self._guards.check(metrics, global_steps)
+
+    return RespoTrainer
+
+
+def _register(patch: Patch) -> None:
+    def register() -> None:
+        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+
+        register_trainer(TRAINER_MODE)(_trainer_class())
+        patch.on_remove(
+            lambda: TRAINER_REGISTRY.pop(TRAINER_MODE, None),  # verl's registry has no public unregister
+            f"TRAINER_REGISTRY[{TRAINER_MODE!r}]",
+            "registered through register_trainer",
+        )
+
+    patch.after_import(TRAINER_MODULE, register, "register the respo-verl trainer once verl has its V1 trainers")
+
+
+REGISTRATION = Patch("respo-verl trainer (trainer_mode respo_sync)", "verl", "0.9.1", _register)

@@ -1,0 +1,207 @@
+"""Checkpoints that know their run, the run-identity resolvers, and the step guards of the respo-verl trainer.
+
+Everything here is the real code on real files and configurations; the trainer's use of it runs end to end in
+tests/cpu/test_cpu_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from respo_verl.verl import checkpoint, resolvers
+from respo_verl.verl.checkpoint import CheckpointError, identity, plan_resume, write_marker_info
+from respo_verl.verl.trainer import (
+    FAILED_SAMPLES_KEY,
+    FAILED_SHARE_KEY,
+    GuardConfig,
+    RunStopped,
+    StepGuards,
+    failed_sample_metrics,
+)
+
+
+def _cfg(folder, train_batch_size=8, mini=2, seed=0, **trainer):
+    return OmegaConf.create(
+        {
+            "data": {"train_batch_size": train_batch_size},
+            "actor_rollout_ref": {
+                "actor": {"ppo_mini_batch_size": mini, "policy_loss": {"loss_mode": "respo"}},
+                "rollout": {"n": 4, "seed": seed},
+                "model": {"path": "/models/Qwen3-1.7B"},
+            },
+            "trainer": {"default_local_dir": str(folder), "resume_mode": "auto", "total_training_steps": 10, **trainer},
+            "run_guard": {"enable": True},
+        }
+    )
+
+
+def _save(folder, step, cfg, marker=True):
+    path = folder / f"global_step_{step}"
+    path.mkdir(parents=True)
+    if marker:
+        write_marker_info(path, {**identity(cfg), "step": step})
+    (folder / checkpoint.TRACKER).write_text(str(step))
+    return path
+
+
+# --- resolvers -----------------------------------------------------------------------------------------------------
+
+
+def test_run_name_carries_algorithm_n_seed_model_and_routing():
+    assert resolvers.run_name("respo", 64, 16, 1, "/m/Qwen3-30B-A3B/", "R3") == "respo_n4_seed1_Qwen3-30B-A3B_r3"
+    assert resolvers.run_name("vanilla", 64, 2, 7, "Qwen/Qwen3-1.7B") == "grpo_n32_seed7_Qwen3-1.7B"
+    assert resolvers.run_name("gspo", 64, 64, 0, "m", "disabled") == "gspo_n1_seed0_m"
+
+
+def test_save_freq_is_a_fixed_number_of_updates_and_at_least_every_step():
+    assert resolvers.save_freq(32, 64, 16) == 8  # N = 4
+    assert resolvers.save_freq(32, 64, 2) == 1  # N = 32
+    assert resolvers.save_freq(32, 512, 8) == 1  # N = 64: still every step
+
+
+def test_resolvers_refuse_a_batch_that_is_not_whole_mini_batches():
+    with pytest.raises(ValueError, match=r"data.train_batch_size=10 .* actor_rollout_ref.actor.ppo_mini_batch_size=4"):
+        resolvers.save_freq(32, 10, 4)
+
+
+def test_resolvers_resolve_in_a_composed_config():
+    resolvers.register()
+    resolvers.register()  # idempotent
+    cfg = OmegaConf.create({"a": 64, "b": 8, "f": "${respo_verl.save_freq:32,${a},${b}}"})
+    assert cfg.f == 4
+
+
+# --- plan_resume ---------------------------------------------------------------------------------------------------
+
+
+def test_a_fresh_folder_starts_from_scratch(tmp_path):
+    plan = plan_resume(_cfg(tmp_path / "missing"))
+    assert plan.resume_from is None and not plan.warnings
+
+
+def test_resume_from_the_runs_own_checkpoint_with_per_attempt_keys_changed(tmp_path):
+    first = _cfg(tmp_path, total_training_steps=4, save_freq=1)
+    path = _save(tmp_path, 2, first)
+    again = _cfg(tmp_path, total_training_steps=9, save_freq=3, logger=["console", "file"])
+    again.run_guard.max_failed_share = 0.5
+    assert checkpoint.fingerprint(first) == checkpoint.fingerprint(again)
+    plan = plan_resume(again)
+    assert plan.resume_from == path and not plan.warnings
+
+
+def test_a_checkpoint_of_another_configuration_is_refused_naming_both(tmp_path):
+    _save(tmp_path, 3, _cfg(tmp_path, train_batch_size=8))  # N = 4
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(_cfg(tmp_path, train_batch_size=4))  # N = 2
+    message = str(err.value)
+    assert "\n" not in message
+    assert "global_step_3 belongs to another run (respo N=4 (train_batch_size 8" in message
+    assert "this run is respo N=2 (train_batch_size 4" in message
+    assert "data.train_batch_size: 8 -> 4" in message
+    assert "trainer.experiment_name" in message and "resume_mode=disable" in message
+
+
+def test_another_seed_is_another_run(tmp_path):
+    _save(tmp_path, 1, _cfg(tmp_path, seed=1))
+    with pytest.raises(CheckpointError, match=r"actor_rollout_ref.rollout.seed: 1 -> 2"):
+        plan_resume(_cfg(tmp_path, seed=2))
+
+
+def test_a_half_written_newest_checkpoint_is_skipped_loudly(tmp_path):
+    cfg = _cfg(tmp_path)
+    complete = _save(tmp_path, 2, cfg)
+    _save(tmp_path, 3, cfg, marker=False)  # verl wrote its tracker, the marker never came
+    plan = plan_resume(cfg)
+    assert plan.resume_from == complete
+    assert len(plan.warnings) == 1 and "HALF-WRITTEN CHECKPOINT" in plan.warnings[0]
+    assert "global_step_3" in plan.warnings[0] and "resuming from global_step_2" in plan.warnings[0]
+
+
+def test_checkpoints_without_markers_resume_as_verl_would_with_a_warning(tmp_path):
+    cfg = _cfg(tmp_path)
+    path = _save(tmp_path, 4, cfg, marker=False)
+    plan = plan_resume(cfg)
+    assert plan.resume_from == path
+    assert "has no respo_verl_run.json" in plan.warnings[0] and "cannot be checked" in plan.warnings[0]
+
+
+def test_resume_disabled_ignores_the_folder(tmp_path):
+    _save(tmp_path, 1, _cfg(tmp_path, train_batch_size=8))
+    assert plan_resume(_cfg(tmp_path, train_batch_size=4, resume_mode="disable")).resume_from is None
+
+
+def test_the_marker_is_complete_json(tmp_path):
+    cfg = _cfg(tmp_path)
+    path = _save(tmp_path, 1, cfg)
+    info = json.loads((path / checkpoint.MARKER).read_text())
+    assert info["fingerprint"] == checkpoint.fingerprint(cfg) and info["summary"]["N"] == 4 and info["step"] == 1
+    assert not list(path.glob("*.partial"))
+
+
+# --- guards --------------------------------------------------------------------------------------------------------
+
+
+def test_failed_samples_are_counted_from_the_padding_tags():
+    tags = [{"is_padding": False}] * 6 + [{"is_padding": True}] * 2
+    assert failed_sample_metrics(tags, expected=8) == {FAILED_SAMPLES_KEY: 2.0, FAILED_SHARE_KEY: 0.25}
+    # padding to a multiple of the data-parallel size on top of a full batch is not a failure
+    tags = [{"is_padding": False}] * 8 + [{"is_padding": True}] * 2
+    assert failed_sample_metrics(tags, expected=8)[FAILED_SAMPLES_KEY] == 0.0
+
+
+def test_any_failed_sample_stops_the_cpu_default_and_a_share_is_tolerated_when_set():
+    metrics = {FAILED_SHARE_KEY: 1 / 64, FAILED_SAMPLES_KEY: 1.0}
+    with pytest.raises(RunStopped, match=r"step 7: respo_verl/failed_share=0.0156 .*max_failed_share=0.0"):
+        StepGuards(GuardConfig()).check(metrics, step=7)
+    StepGuards(GuardConfig(max_failed_share=0.02)).check(metrics, step=7)
+
+
+def test_the_clamp_share_guard_names_the_metric_and_the_step():
+    with pytest.raises(RunStopped, match=r"step 1: actor/respo/clamp_frac=0.750 > run_guard.max_clamp_share=0.1"):
+        StepGuards(GuardConfig()).check({"actor/respo/clamp_frac": 0.75}, step=1)
+
+
+def _collapsed(entropy=0.0, signal=0.0):
+    return {"actor/entropy": entropy, "critic/advantages/max": signal, "critic/advantages/min": -signal}
+
+
+def test_collapse_stops_after_k_quiet_steps_in_a_row_only():
+    guards = StepGuards(GuardConfig(collapse_steps=3))
+    guards.check(_collapsed(), step=1)
+    guards.check(_collapsed(), step=2)
+    guards.check(_collapsed(signal=1.0), step=3)  # a group with a signal: the count starts again
+    guards.check(_collapsed(), step=4)
+    guards.check(_collapsed(entropy=0.5), step=5)  # entropy back: starts again
+    guards.check(_collapsed(), step=6)
+    guards.check(_collapsed(), step=7)
+    with pytest.raises(RunStopped, match=r"step 8: actor/entropy=0.00e\+00 .* for 3 steps in a row"):
+        guards.check(_collapsed(), step=8)
+
+
+def test_disabled_guards_never_stop():
+    StepGuards(GuardConfig(enable=False)).check({FAILED_SHARE_KEY: 1.0, "actor/respo/clamp_frac": 1.0}, step=1)
+
+
+@pytest.mark.parametrize(
+    ("node", "match"),
+    [
+        ({"max_failed_share": 2}, r"run_guard.max_failed_share=2 must be in \[0, 1\]"),
+        ({"collapse_steps": 0}, r"run_guard.collapse_steps=0 must be >= 1"),
+        ({"min_entropy": -1}, r"run_guard.min_entropy=-1 must be >= 0"),
+        ({"max_clamp": 0.1}, r"run_guard has no key\(s\) \['max_clamp'\]"),
+    ],
+)
+def test_bad_guard_settings_are_refused(node, match):
+    with pytest.raises(ValueError, match=match):
+        GuardConfig.from_config(node)
+
+
+def test_the_shipped_guard_defaults_are_valid():
+    from pathlib import Path
+
+    node = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs/respo_verl/run_guard.yaml")
+    assert node.trainer.v1.trainer_mode == "respo_sync"
+    assert GuardConfig.from_config(node.run_guard) == GuardConfig()
