@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from respo_verl.cpu.preset import check_cpu_job, is_cpu_job, prepare_driver
 from respo_verl.entry_points import CONFIG_PACKAGE, PRIMARY_CONFIG
+from respo_verl.verl.datacheck import DataCheckError, check_data
 from respo_verl.verl.jobcheck import check_job
 
 ENTRY = "respo"  # respo_verl.verl.compose.ENTRY_CONFIGS key of this entry point
@@ -111,6 +112,7 @@ def run(config: DictConfig) -> None:
     check(config)
     if is_cpu_job(config):
         prepare_driver(config)  # before verl's trainer modules ask for the platform
+    check_data(config)  # before Ray: rows verl would otherwise train on silently
     import ray
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
@@ -166,7 +168,11 @@ def _hydra_main(config: DictConfig) -> None:
     except ValueError as exc:  # a job that cannot run: one line, before Ray starts
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
         sys.exit(2)
-    run(config)
+    try:
+        run(config)
+    except DataCheckError as exc:  # raised before Ray starts
+        print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:
