@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from respo_verl.cpu.preset import check_cpu_job, is_cpu_job, prepare_driver
 from respo_verl.entry_points import CONFIG_PACKAGE, PRIMARY_CONFIG
 from respo_verl.verl.datacheck import DataCheckError, check_data
-from respo_verl.verl.jobcheck import check_job
+from respo_verl.verl.jobcheck import ModelCheckError, check_job, check_model
 
 ENTRY = "respo"  # respo_verl.verl.compose.ENTRY_CONFIGS key of this entry point
 
@@ -112,6 +112,7 @@ def run(config: DictConfig) -> None:
     check(config)
     if is_cpu_job(config):
         prepare_driver(config)  # before verl's trainer modules ask for the platform
+    check_model(config)  # before Ray: a model path that is not there, routing replay on a dense model
     check_data(config)  # before Ray: rows verl would otherwise train on silently
     import ray
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
@@ -170,7 +171,7 @@ def _hydra_main(config: DictConfig) -> None:
         sys.exit(2)
     try:
         run(config)
-    except DataCheckError as exc:  # raised before Ray starts
+    except (DataCheckError, ModelCheckError) as exc:  # raised before Ray starts
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
         sys.exit(2)
 

@@ -14,6 +14,13 @@ POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 KERNEL_NODES = {"respo": "ReSPOConfig", "vespo": "VESPOConfig"}
 ROUTER_REPLAY_MODE = "actor_rollout_ref.actor.megatron.router_replay.mode"
 ROUTING_ENGINE = "megatron"  # verl 0.9.1 replays routes on its Megatron engine only
+MODEL_PATH = "actor_rollout_ref.model.path"
+# HF config keys that count a model's routed experts (Qwen3-MoE, Mixtral, DeepSeek).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+class ModelCheckError(ValueError):
+    """A model the run cannot load, in one line (:func:`check_model`)."""
 
 
 def check_job(cfg: Any) -> None:
@@ -23,13 +30,62 @@ def check_job(cfg: Any) -> None:
         - the ``respo`` / ``vespo`` kernel hyperparameters (``actor_rollout_ref.actor.policy_loss.<loss>.*``), with
           the ranges of :mod:`respo_verl.core.config`, when the node is present;
         - routing replay (``routing=r2|r3``: the actor's ``megatron.router_replay.mode`` is not ``disabled``) with
-          a ``model_engine`` other than ``megatron``.
+          a ``model_engine`` other than ``megatron``;
+        - a rollout batch that is not a whole number of mini-batches (``data.train_batch_size`` and
+          ``actor_rollout_ref.actor.ppo_mini_batch_size``, both in prompts): N would not be an integer.
 
     Args:
         cfg: the composed job (``DictConfig``), as ``--cfg job`` prints it.
     """
     _check_kernel_hyperparameters(cfg)
     _check_routing(cfg)
+    _check_reuse(cfg)
+
+
+def check_model(cfg: Any) -> None:
+    """Raise :class:`ModelCheckError` with one line for a model the run cannot load. It reads the file system, so the
+    entry point runs it before a run and not for ``--cfg job``, which may be composed where the model is not.
+
+    Checks:
+        - ``actor_rollout_ref.model.path`` written as a local path (``/``, ``~`` or ``.`` first) that does not exist
+          (a hub id such as ``Qwen/Qwen3-1.7B`` is left to verl);
+        - routing replay with a local model whose ``config.json`` has no experts (a dense model).
+    """
+    import json
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
+    if raw is None:
+        return
+    path = Path(str(raw)).expanduser()
+    if str(raw).startswith(("/", "~", ".")) and not path.exists():
+        raise ModelCheckError(f"{MODEL_PATH}={raw}: no such file or directory")
+    mode = OmegaConf.select(cfg, ROUTER_REPLAY_MODE, default=None)
+    config_json = path / "config.json"
+    if mode is None or str(mode).lower() == "disabled" or not config_json.is_file():
+        return
+    model = json.loads(config_json.read_text())
+    if not any(model.get(key) for key in EXPERT_COUNT_KEYS):
+        raise ModelCheckError(
+            f"{ROUTER_REPLAY_MODE}={mode} (routing replay) needs an MoE model; {MODEL_PATH}={raw} is dense "
+            f"({config_json} has none of {list(EXPERT_COUNT_KEYS)}, model_type {model.get('model_type')!r})"
+        )
+
+
+def _check_reuse(cfg: Any) -> None:
+    from omegaconf import OmegaConf
+
+    train = OmegaConf.select(cfg, "data.train_batch_size", default=None)
+    mini = OmegaConf.select(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", default=None)
+    if not isinstance(train, int) or not isinstance(mini, int) or isinstance(train, bool):
+        return
+    if mini < 1 or train % mini:
+        raise ValueError(
+            f"data.train_batch_size={train} is not a whole number of mini-batches of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} (N = {train / max(mini, 1):g}): make it a multiple"
+        )
 
 
 def _check_kernel_hyperparameters(cfg: Any) -> None:

@@ -63,3 +63,54 @@ def test_checking_a_job_imports_neither_verl_nor_torch():
         "actor_rollout_ref.actor.policy_loss.respo: ReSPOConfig.alpha_pos must be >= 1, got 0.5",
         "[]",
     ]
+
+
+def test_a_rollout_batch_that_is_not_whole_mini_batches_is_refused():
+    job = compose_job("respo", ["algorithm=respo", "data.train_batch_size=7", f"{LOSS[:-12]}.ppo_mini_batch_size=2"])
+    with pytest.raises(ValueError) as info:
+        check_job(job)
+    assert str(info.value) == (
+        "data.train_batch_size=7 is not a whole number of mini-batches of "
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2 (N = 3.5): make it a multiple"
+    )
+
+
+def _model_job(path, *overrides):
+    return compose_job("respo", ["algorithm=respo", f"actor_rollout_ref.model.path={path}", *overrides])
+
+
+def test_a_local_model_path_that_is_not_there_is_refused_and_a_hub_id_is_left_to_verl(tmp_path):
+    from respo_verl.verl.jobcheck import ModelCheckError, check_model
+
+    with pytest.raises(ModelCheckError, match=rf"^actor_rollout_ref.model.path={tmp_path}/nope: no such file"):
+        check_model(_model_job(tmp_path / "nope"))
+    check_model(_model_job("Qwen/Qwen3-1.7B"))
+
+
+def test_routing_replay_on_a_dense_model_is_refused():
+    from respo_verl.cpu.kit.build import KitSpec, build_kit
+    from respo_verl.verl.jobcheck import ModelCheckError, check_model
+
+    dense = build_kit(KitSpec(), progress=False)
+    moe = build_kit(KitSpec(moe=True), progress=False)
+    r2 = ("model_engine=megatron", "routing=r2")
+    with pytest.raises(ModelCheckError) as info:
+        check_model(_model_job(dense.model, *r2))
+    assert "router_replay.mode=R2 (routing replay) needs an MoE model" in str(info.value)
+    assert "model_type 'qwen3'" in str(info.value)
+    check_model(_model_job(moe.model, *r2))
+    check_model(_model_job(dense.model))  # no routing replay: dense is fine
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.train_batch_size=7"], "data.train_batch_size=7 is not a whole number of mini-batches"),
+        (["actor_rollout_ref.model.path=/nonexistent/model"], "actor_rollout_ref.model.path=/nonexistent/model: no"),
+    ],
+)
+def test_the_entry_point_refuses_them_in_one_line(tmp_path, overrides, message):
+    cmd = [sys.executable, "-m", "respo_verl.main_ppo", "algorithm=respo", "+device=cpu", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"respo_verl.main_ppo: {message}" in proc.stderr and "Traceback" not in proc.stderr
