@@ -1,30 +1,31 @@
-"""A cheap check of the train and validation parquet files, run by the entry point before Ray starts.
+"""The train and validation files checked before Ray starts: rows verl would train on, or score, silently.
 
-verl reads malformed rows without complaint and fails late or not at all: an empty prompt becomes a sequence of
-padding that is trained on; a ``reward_model`` without a ``ground_truth`` reaches the reward function as the string
-``"None"`` once verl's batch has been through numpy; a ``data_source`` the reward function does not know raises in a
-reward worker at the first rollout, after the model has been loaded on every node. :func:`check_data` refuses such a
-file up front, with one line naming the file, the row and the column.
+verl 0.9.1 reads ``data.train_files`` and ``data.val_files`` only once its workers are up, and then uses what it
+finds: an empty prompt becomes a sequence of padding that is generated from and trained on; a ``reward_model`` of
+null or a ``ground_truth`` of None is scored against the string ``"None"``; a ``data_source`` the reward function
+does not know raises in a reward worker at the first rollout, after the model is loaded on every node.
+:func:`check_data` refuses such a file first, in one line naming the file, the row and the column, and how many
+rows of that file share the problem.
 
-Checked, per file of ``data.train_files`` and ``data.val_files`` (a path or a list of paths, ``~`` expanded):
-    - the file exists; a ``.parquet`` file has the columns ``data.prompt_key`` (``prompt``), ``data_source`` and
-      ``reward_model``;
+Checked, for each file of ``data.train_files`` and ``data.val_files`` (a path or a list of paths, ``~`` expanded):
+    - the file exists, and has the columns ``prompt`` (``data.prompt_key``), ``data_source`` and ``reward_model``;
     - no prompt is empty: null, an empty chat list, chat messages whose contents are all blank, or a blank string;
-    - no ``reward_model`` is null and none lacks its ``ground_truth`` (field missing or null);
-    - every distinct ``data_source`` is known to the reward function verl will use (see :func:`_reward_function`):
-      it is called once per source with an empty response and that source's first ground truth, and any exception
-      (``NotImplementedError`` from verl's ``default_compute_score``) means the source is not known.
+    - no ``reward_model`` is null or lacks its ``ground_truth`` (field missing, or null);
+    - every distinct ``data_source`` is one the reward function verl will call (:func:`reward_function`) scores: it
+      is called once per source with an empty response and that source's first ground truth, and any exception
+      (``NotImplementedError`` is what verl's ``default_compute_score`` raises for an unknown source) refuses it.
 
-Rows are indexed from 0 within their file (``pyarrow.parquet.read_table(path).slice(row, 1)`` shows one). Only the
-needed columns are read, with pyarrow; a 17k-row DAPO-Math file takes well under a second, plus one reward call per
-data source. Non-local paths (``hdfs://``, which verl copies itself) and ``.json`` / ``.jsonl`` files are checked no
-further than being present.
+Rows are counted from 0 within their file. Only those three columns are read, with pyarrow, and the row checks are
+pyarrow.compute / numpy passes over whole columns: a 17k-row DAPO-Math file takes a fraction of a second, plus one
+reward call per data source. A non-local path (``hdfs://``, which verl copies itself) is not checked, and a
+``.json`` / ``.jsonl`` file only for being there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,19 +37,21 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 FILE_KEYS = ("data.train_files", "data.val_files")
-PROMPT_KEY = "data.prompt_key"  # verl's RLHFDataset reads the prompt from this column
+PROMPT_KEY = "data.prompt_key"  # the column verl's RLHFDataset reads the prompt from
 DEFAULT_PROMPT_COLUMN = "prompt"
-DATA_SOURCE = "data_source"  # verl's reward managers read these two columns by name, not through a config key
+DATA_SOURCE = "data_source"  # verl's reward managers read these two by name, not through a config key
 REWARD_MODEL = "reward_model"
 GROUND_TRUTH = "ground_truth"
+EXTRA_INFO = "extra_info"
+CONTENT = "content"
 PARQUET_SUFFIX = ".parquet"
-REMOTE_PREFIXES = ("hdfs://",)  # verl.utils.fs.copy_to_local fetches these; they cannot be read from here
-# verl 0.9.1's main_ppo reward keys (verl/trainer/config/reward/reward.yaml, verl/trainer/ppo/reward.py).
+REMOTE_PREFIX = "hdfs://"  # verl.utils.fs.copy_to_local fetches these once the workers are up
+# verl 0.9.1's main_ppo reward keys (verl/trainer/config/reward/reward.yaml; verl/trainer/ppo/reward.py).
 CUSTOM_REWARD_PATH = "reward.custom_reward_function.path"
 REWARD_MANAGER_NAME = "reward.reward_manager.name"
-REWARD_MODEL_ENABLE = "reward.reward_model.enable"  # a model-scored job does not call the rule function
+REWARD_MODEL_ENABLE = "reward.reward_model.enable"  # without a custom function, a model scores and data_source is moot
 PROBE_RESPONSE = ""
-# The naive reward manager adds these two keys to every sample's extra_info before it calls the reward function.
+# The reward managers (naive, dapo) add these keys to each sample's extra_info before calling the reward function.
 PROBE_EXTRA_INFO = {"num_turns": None, "rollout_reward_scores": {}}
 MAX_ERROR_CHARS = 160  # an exception quoted "in a few words": its first line, cut to this length
 
@@ -60,23 +63,50 @@ class DataCheckError(ValueError):
 def check_data(config: DictConfig) -> None:
     """Raise :class:`DataCheckError` for the first file of ``data.train_files`` / ``data.val_files`` with a problem.
 
-    The message names the config key, the file, and for each kind of problem found in that file the first row, the
-    column, what is wrong and how many more rows have the same problem. What is checked: the module docstring.
+    The message starts with the file; for each kind of problem in it, it names the first row, the column, what is
+    wrong and how many more rows of the file have the same problem (``; `` between kinds). What is checked: the
+    module docstring. The reward function is loaded (and verl imported) only when a file has a data source to probe.
 
     Args:
         config: the composed verl ``main_ppo`` job (``DictConfig``).
     """
+    prompt_column = str(OmegaConf.select(config, PROMPT_KEY, default=None) or DEFAULT_PROMPT_COLUMN)
     probe = _SourceProbe(config)
     for key in FILE_KEYS:
         for path in _paths(OmegaConf.select(config, key, default=None)):
-            problems = _file_problems(path, _prompt_column(config), probe)
+            problems = _file_problems(path, prompt_column, probe)
             if problems:
-                raise DataCheckError(f"{key}: {path}: " + "; ".join(problems))
+                raise DataCheckError(f"{path}: " + "; ".join(problems))
+
+
+def reward_function(config: DictConfig) -> Callable[..., Any]:
+    """The ``compute_score`` verl 0.9.1's reward manager calls (``verl.trainer.ppo.reward.load_reward_manager``).
+
+    ``reward.custom_reward_function.path`` / ``.name`` (with its ``reward_kwargs``) through verl's own
+    ``get_custom_reward_fn`` when a path is set, else ``get_default_compute_score(reward.reward_manager.name)``, i.e.
+    ``verl.utils.reward_score.default_compute_score``. verl 0.9.1's main_ppo does not read the legacy top-level
+    ``custom_reward_function`` (only its fully-async entry migrates it), so neither does this. The sandbox-fusion
+    arguments verl binds when ``reward.sandbox_fusion.url`` is set are left out: a probe makes no network calls (code
+    sources then go to verl's local ``prime_code`` scorer).
+
+    Raises:
+        DataCheckError: the custom reward function cannot be loaded.
+    """
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+    from verl.utils.reward_score import get_default_compute_score
+
+    if OmegaConf.select(config, CUSTOM_REWARD_PATH, default=None):
+        try:
+            return get_custom_reward_fn(config)
+        except Exception as exc:  # verl raises FileNotFoundError, RuntimeError, AttributeError, AssertionError
+            path = OmegaConf.select(config, CUSTOM_REWARD_PATH)
+            raise DataCheckError(f"{CUSTOM_REWARD_PATH}={path}: cannot load it ({_few_words(exc)})") from None
+    return get_default_compute_score(OmegaConf.select(config, REWARD_MANAGER_NAME, default=None))
 
 
 @dataclass(frozen=True)
 class _Problem:
-    """One kind of problem in one column: the rows (0-based, ascending) that have it."""
+    """One kind of problem in one column of a file: the rows (from 0, ascending) that have it."""
 
     column: str
     what: str
@@ -85,7 +115,35 @@ class _Problem:
     def __str__(self) -> str:
         more = len(self.rows) - 1
         tail = f" (and {more} more row{'s' if more > 1 else ''})" if more else ""
-        return f"row {int(self.rows[0])}, column {self.column!r}: {self.what}{tail}"
+        return f"row {int(self.rows[0])}, column {self.column}: {self.what}{tail}"
+
+
+class _SourceProbe:
+    """The reward function verl will call, called once per data source; the outcomes are kept across files."""
+
+    def __init__(self, config: DictConfig):
+        self._config = config
+        self._fn: Callable[..., Any] | None = None
+        self._errors: dict[Any, str | None] = {}
+        custom = OmegaConf.select(config, CUSTOM_REWARD_PATH, default=None)
+        self.enabled = bool(custom) or not OmegaConf.select(config, REWARD_MODEL_ENABLE, default=False)
+
+    def error(self, source: Any, ground_truth: Any, extra_info: Any) -> str | None:
+        """None when the reward function scores ``source``, else its exception in a few words."""
+        if source not in self._errors:
+            if self._fn is None:
+                self._fn = reward_function(self._config)
+            info = {**(extra_info if isinstance(extra_info, dict) else {}), **PROBE_EXTRA_INFO}
+            try:
+                result = self._fn(
+                    data_source=source, solution_str=PROBE_RESPONSE, ground_truth=ground_truth, extra_info=info
+                )
+                if inspect.isawaitable(result):  # verl accepts an async reward function
+                    asyncio.run(result)
+                self._errors[source] = None
+            except Exception as exc:  # any failure: verl's reward worker would fail on this source the same way
+                self._errors[source] = _few_words(exc)
+        return self._errors[source]
 
 
 def _paths(value: Any) -> list[Path]:
@@ -95,15 +153,11 @@ def _paths(value: Any) -> list[Path]:
     return [Path(str(v)).expanduser() for v in values]
 
 
-def _prompt_column(config: DictConfig) -> str:
-    return str(OmegaConf.select(config, PROMPT_KEY, default=None) or DEFAULT_PROMPT_COLUMN)
-
-
 def _file_problems(path: Path, prompt_column: str, probe: _SourceProbe) -> list[str]:
-    if str(path).startswith(REMOTE_PREFIXES):
+    if str(path).startswith(REMOTE_PREFIX):
         return []
     if not path.is_file():
-        return ["file not found"]
+        return ["no such file"]
     if path.suffix != PARQUET_SUFFIX:
         return []
     try:
@@ -111,21 +165,19 @@ def _file_problems(path: Path, prompt_column: str, probe: _SourceProbe) -> list[
     except (pa.ArrowException, OSError) as exc:
         return [f"not a readable parquet file ({_few_words(exc)})"]
     columns = (prompt_column, DATA_SOURCE, REWARD_MODEL)
-    missing = [c for c in columns if c not in names]
-    if missing:
-        return [f"no column {', '.join(map(repr, missing))} (columns: {', '.join(names)})"]
+    absent = [c for c in columns if c not in names]
+    if absent:
+        return [f"no column {', '.join(absent)} (verl's RLHF format needs {', '.join(columns)}; found {names})"]
     table = pq.read_table(path, columns=list(columns))
-    rm = table.column(REWARD_MODEL).combine_chunks()
-    ground_truth = _ground_truth(rm)
+    reward_model = table.column(REWARD_MODEL).combine_chunks()
+    ground_truth = _ground_truth(reward_model)
+    rm_null = reward_model.is_null().to_numpy(zero_copy_only=False)  # (N,)
+    gt_null = ground_truth.is_null().to_numpy(zero_copy_only=False)  # (N,)
     problems = [
         _rows_where(prompt_column, "empty prompt", _empty_prompts(table.column(prompt_column).combine_chunks())),
-        _rows_where(REWARD_MODEL, "null", rm.is_null().to_numpy(zero_copy_only=False)),
-        _rows_where(
-            REWARD_MODEL,
-            f"{GROUND_TRUTH} missing or null",
-            ~rm.is_null().to_numpy(zero_copy_only=False) & _is_null(ground_truth),
-        ),
-        *_unknown_sources(path, table.column(DATA_SOURCE).to_pylist(), ground_truth, probe, "extra_info" in names),
+        _rows_where(REWARD_MODEL, "reward_model is null", rm_null),
+        _rows_where(REWARD_MODEL, _ground_truth_problem(reward_model.type), ~rm_null & gt_null),
+        *_source_problems(path, table.column(DATA_SOURCE).to_pylist(), ground_truth, probe, EXTRA_INFO in names),
     ]
     return [str(p) for p in problems if p is not None]
 
@@ -135,46 +187,37 @@ def _rows_where(column: str, what: str, mask: np.ndarray) -> _Problem | None:
     return _Problem(column, what, rows) if len(rows) else None
 
 
-def _is_null(array: pa.Array | None) -> np.ndarray:
-    """(N,) bool; None stands for a column without the field, null in every row."""
-    if array is None:
-        return np.ones(0, dtype=bool)
-    return array.is_null().to_numpy(zero_copy_only=False)
+def _ground_truth(reward_model: pa.Array) -> pa.Array:
+    """(N,) the ``ground_truth`` of each row; null where the struct, its field or the value is missing."""
+    if pa.types.is_struct(reward_model.type) and reward_model.type.get_field_index(GROUND_TRUTH) >= 0:
+        return pc.struct_field(reward_model, GROUND_TRUTH)
+    # No such field, or not a struct (a map or a JSON string): verl's reward_model["ground_truth"] fails on every row.
+    return pa.nulls(len(reward_model))
 
 
-def _ground_truth(rm: pa.Array) -> pa.Array:
-    """The ``ground_truth`` of each row (null where the struct, the field or the value is missing)."""
-    if pa.types.is_struct(rm.type):
-        if rm.type.get_field_index(GROUND_TRUTH) >= 0:
-            return pc.struct_field(rm, GROUND_TRUTH)
-        return pa.nulls(len(rm))
-    # Other layouts (a map column, say): look each row up in Python.
-    values = [_as_dict(v).get(GROUND_TRUTH) for v in rm.to_pylist()]
-    return pa.array(values, type=pa.string() if all(v is None or isinstance(v, str) for v in values) else None)
-
-
-def _as_dict(value: Any) -> dict:
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, list) and all(isinstance(v, tuple) and len(v) == 2 for v in value):
-        return dict(value)  # pyarrow's to_pylist of a map value
-    return {}
+def _ground_truth_problem(reward_model_type: pa.DataType) -> str:
+    if not pa.types.is_struct(reward_model_type):
+        return f"reward_model is {reward_model_type}, not a struct with a ground_truth field"
+    if reward_model_type.get_field_index(GROUND_TRUTH) < 0:
+        return "reward_model has no ground_truth field"
+    return "reward_model.ground_truth is null (verl would score against the string 'None')"
 
 
 def _empty_prompts(prompts: pa.Array) -> np.ndarray:
-    """(N,) bool: the prompt is null, an empty chat list, a chat list of blank contents, or a blank string."""
+    """(N,) bool: the prompt is null, an empty chat list, chat messages of blank contents, or a blank string."""
     if pa.types.is_string(prompts.type) or pa.types.is_large_string(prompts.type):
         return ~_non_blank(prompts)
-    item = prompts.type.value_type if pa.types.is_list(prompts.type) or pa.types.is_large_list(prompts.type) else None
-    if item is not None and pa.types.is_struct(item) and item.get_field_index("content") >= 0:
-        content = item.field("content").type
+    listed = pa.types.is_list(prompts.type) or pa.types.is_large_list(prompts.type)
+    message = prompts.type.value_type if listed else None
+    if message is not None and pa.types.is_struct(message) and message.get_field_index(CONTENT) >= 0:
+        content = message.field(CONTENT).type
         if pa.types.is_string(content) or pa.types.is_large_string(content):
             # Parents from the offsets, not pc.list_parent_indices: pyarrow 26 counts the values under a null list
-            # there but not in pc.list_flatten, so the two can disagree.
+            # there but leaves them out of pc.list_flatten, so those two disagree.
             offsets = prompts.offsets.to_numpy()  # (N+1,)
             parents = np.repeat(np.arange(len(prompts)), np.diff(offsets))  # (M,)
             messages = prompts.values.slice(offsets[0], offsets[-1] - offsets[0])  # (M,)
-            non_blank = _non_blank(pc.struct_field(messages, "content"))  # (M,)
+            non_blank = _non_blank(pc.struct_field(messages, CONTENT))  # (M,)
             has_text = np.bincount(parents[non_blank], minlength=len(prompts)) > 0  # (N,)
             return ~has_text | prompts.is_null().to_numpy(zero_copy_only=False)
     return np.array([_is_empty_prompt(v) for v in prompts.to_pylist()], dtype=bool)
@@ -186,98 +229,43 @@ def _non_blank(strings: pa.Array) -> np.ndarray:
 
 
 def _is_empty_prompt(value: Any) -> bool:
+    """The same test on one Python value, for prompt layouts the columnar path does not cover."""
     if value is None:
         return True
     if isinstance(value, str):
         return not value.strip()
     if isinstance(value, list):
-        return not any(isinstance(m, dict) and str(m.get("content") or "").strip() for m in value)
+        return not any(isinstance(m, dict) and isinstance(m.get(CONTENT), str) and m[CONTENT].strip() for m in value)
     return False
 
 
-def _unknown_sources(
-    path: Path, sources: list, ground_truth: pa.Array, probe: _SourceProbe, has_extra_info: bool
+def _source_problems(
+    path: Path, sources: list[Any], ground_truth: pa.Array, probe: _SourceProbe, has_extra_info: bool
 ) -> list[_Problem | None]:
-    """A problem for null data_source values, and one per data_source the reward function refuses."""
-    sources_np = np.array(sources, dtype=object)
-    problems = [_rows_where(DATA_SOURCE, "null", sources_np == None)]  # noqa: E711 (elementwise)
+    """Null data_source values, and each data_source the reward function refuses (probed at its first row that has
+    a ground truth, with that row's extra_info)."""
+    sources_np = np.array(sources, dtype=object)  # (N,)
+    problems = [_rows_where(DATA_SOURCE, "data_source is null", sources_np == None)]  # noqa: E711 (elementwise)
     if not probe.enabled:
         return problems
-    gt_known = ~_is_null(ground_truth)
-    first: dict[Any, int] = {}
+    gt_known = ~ground_truth.is_null().to_numpy(zero_copy_only=False)  # (N,)
+    first_row: dict[Any, int] = {}
     for row, source in enumerate(sources):
         if source is not None and gt_known[row]:
-            first.setdefault(source, row)
-    if not first:
+            first_row.setdefault(source, row)
+    if not first_row:
         return problems
-    rows = list(first.values())
-    ground_truths = ground_truth.take(rows).to_pylist()
-    extra = [None] * len(rows)
+    rows = list(first_row.values())
+    truths = ground_truth.take(rows).to_pylist()
+    infos: list[Any] = [None] * len(rows)
     if has_extra_info:
-        extra = pq.read_table(path, columns=["extra_info"]).column(0).take(rows).to_pylist()
-    for (source, row), gt, info in zip(first.items(), ground_truths, extra, strict=True):
-        error = probe.error(source, gt, info)
+        infos = pq.read_table(path, columns=[EXTRA_INFO]).column(0).take(rows).to_pylist()
+    for source, truth, info in zip(first_row, truths, infos, strict=True):
+        error = probe.error(source, truth, info)
         if error is not None:
-            same = np.flatnonzero(sources_np == source)
-            problems.append(_Problem(DATA_SOURCE, f"{source!r} is not known to the reward function ({error})", same))
+            what = f"data_source {source!r} is not scored by the reward function ({error})"
+            problems.append(_Problem(DATA_SOURCE, what, np.flatnonzero(sources_np == source)))
     return problems
-
-
-class _SourceProbe:
-    """The reward function verl will use, called once per data source (results kept across files)."""
-
-    def __init__(self, config: DictConfig):
-        self._config = config
-        self._fn = None
-        self._errors: dict[Any, str | None] = {}
-        custom = OmegaConf.select(config, CUSTOM_REWARD_PATH, default=None)
-        self.enabled = bool(custom) or not OmegaConf.select(config, REWARD_MODEL_ENABLE, default=False)
-
-    def error(self, source: Any, ground_truth: Any, extra_info: Any) -> str | None:
-        """None when the reward function scores ``source``, else its exception in a few words."""
-        if source not in self._errors:
-            info = {**(extra_info if isinstance(extra_info, dict) else {}), **PROBE_EXTRA_INFO}
-            try:
-                result = self._function()(
-                    data_source=source, solution_str=PROBE_RESPONSE, ground_truth=ground_truth, extra_info=info
-                )
-                if inspect.isawaitable(result):
-                    asyncio.run(result)
-                self._errors[source] = None
-            except DataCheckError:
-                raise
-            except Exception as exc:  # any failure: verl's reward worker would fail on this source the same way
-                self._errors[source] = _few_words(exc)
-        return self._errors[source]
-
-    def _function(self):
-        if self._fn is None:
-            self._fn = _reward_function(self._config)
-        return self._fn
-
-
-def _reward_function(config: DictConfig):
-    """The ``compute_score`` verl 0.9.1's reward manager calls (``verl.trainer.ppo.reward.load_reward_manager``).
-
-    ``reward.custom_reward_function.path`` / ``name`` (with its ``reward_kwargs``) when a path is set, else
-    ``get_default_compute_score(reward.reward_manager.name)``, i.e. ``default_compute_score``. The sandbox-fusion
-    arguments verl binds when ``reward.sandbox_fusion.url`` is set are left out: a probe makes no network calls
-    (code sources then fall back to verl's local ``prime_code`` scorer).
-
-    Raises:
-        DataCheckError: the custom reward function cannot be loaded.
-    """
-    from verl.trainer.ppo.reward import get_custom_reward_fn
-    from verl.utils.reward_score import get_default_compute_score
-
-    try:
-        custom = get_custom_reward_fn(config)
-    except Exception as exc:  # verl raises FileNotFoundError, RuntimeError, AttributeError, AssertionError
-        path = OmegaConf.select(config, CUSTOM_REWARD_PATH)
-        raise DataCheckError(
-            f"{CUSTOM_REWARD_PATH}={path}: cannot load the reward function ({_few_words(exc)})"
-        ) from None
-    return custom or get_default_compute_score(OmegaConf.select(config, REWARD_MANAGER_NAME, default=None))
 
 
 def _few_words(exc: BaseException) -> str:

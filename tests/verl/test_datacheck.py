@@ -1,111 +1,245 @@
-"""The data check before Ray: real parquet files in verl's schema, the real scorers (verl's default_compute_score and
-the CPU kit's reward), the composed jobs, and the entry point's refusal as a user sees it."""
+"""respo_verl.verl.datacheck: real parquet files in verl's RLHF schema (respo_verl.data.common), the composed jobs of
+the entry point (verl's default_compute_score; the ``+device=cpu`` preset's kit reward), and the real reward functions
+loaded as verl loads them."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import copy
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
-from respo_verl.data.common import make_row, write_parquet
+from respo_verl.cpu.kit.task import DATA_SOURCE as KIT_SOURCE
+from respo_verl.data.common import VERL_SCHEMA, make_row, write_parquet
 from respo_verl.verl.compose import compose_job
-from respo_verl.verl.datacheck import DataCheckError, check_data, check_file, scorer
+from respo_verl.verl.datacheck import DataCheckError, check_data
+
+DAPO_ROWS = 17_000  # DAPO-Math-17k's size
+ROW_GROUP = 1_000  # several row groups, so the columns are read back in several chunks
+UNKNOWN_SOURCE = "amc23"  # verl 0.9.1's default_compute_score has no AMC branch
 
 
-def _rows(n=4, source="math_dapo"):
+def _rows(n: int = 6, source: str = "math_dapo") -> list[dict]:
     return [make_row(f"What is {i} + 1?", str(i + 1), source, i, "train", "test") for i in range(n)]
 
 
-def _job(train, val=None, cpu=False):
-    if cpu:
-        cfg = compose_job("respo", ["algorithm=respo", "+device=cpu"])
-    else:
-        cfg = OmegaConf.create({"reward": {"custom_reward_function": {"path": None, "name": None}}, "data": {}})
+@pytest.fixture(scope="module")
+def default_job():
+    """The entry point's job with verl's default reward function (no custom_reward_function.path)."""
+    return compose_job("respo", ["algorithm=respo"])
+
+
+@pytest.fixture(scope="module")
+def cpu_job():
+    """The ``+device=cpu`` job: reward.custom_reward_function.path=pkg://respo_verl.cpu.kit.reward."""
+    return compose_job("respo", ["algorithm=respo", "+device=cpu"])
+
+
+def _with_files(job, train, val=()):
+    cfg = copy.deepcopy(job)
     cfg.data.train_files = str(train)
-    cfg.data.val_files = [str(v) for v in (val or [])]
+    cfg.data.val_files = [str(v) for v in val]
     return cfg
 
 
-def test_good_files_pass_with_verls_default_scorer(tmp_path):
+def _refusal(cfg) -> str:
+    with pytest.raises(DataCheckError) as err:
+        check_data(cfg)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_good_files_pass_with_verls_default_scorer(tmp_path, monkeypatch):
     train = write_parquet(_rows(), tmp_path / "train.parquet")
-    val = write_parquet(_rows(2, "aime24"), tmp_path / "aime24.parquet")
-    check_data(_job(train, [val]))
+    aime = write_parquet(_rows(2, "aime24"), tmp_path / "aime24.parquet")
+    gsm8k = write_parquet(_rows(2, "openai/gsm8k"), tmp_path / "gsm8k.parquet")
+    cfg = compose_job("respo", ["algorithm=respo", f"data.train_files={train}", f"data.val_files=[{aime},{gsm8k}]"])
+    check_data(cfg)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg.data.train_files = "~/train.parquet"
+    check_data(cfg)
+
+
+def test_a_plain_string_prompt_is_accepted_and_a_blank_one_refused(tmp_path, default_job):
+    rows = _rows(4)
+    for i, row in enumerate(rows):
+        row["prompt"] = " \t " if i == 3 else f"What is {i} + 1?"
+    path = tmp_path / "strings.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert _refusal(_with_files(default_job, path)) == f"{path}: row 3, column prompt: empty prompt"
+    rows[3]["prompt"] = "What is 3 + 1?"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    check_data(_with_files(default_job, path))
+
+
+def _set_prompt(value):
+    return lambda row: row.update(prompt=value)
+
+
+def _set_ground_truth(value):
+    return lambda row: row["reward_model"].update(ground_truth=value)
 
 
 @pytest.mark.parametrize(
     ("edit", "column", "what"),
     [
-        (lambda r: r.update(prompt=[]), "prompt", "empty prompt"),
-        (lambda r: r.update(prompt=[{"content": " \n ", "role": "user"}]), "prompt", "empty prompt"),
-        (lambda r: r.update(prompt=None), "prompt", "empty prompt"),
-        (lambda r: r.update(reward_model=None), "reward_model", "reward_model is null"),
-        (lambda r: r["reward_model"].update(ground_truth=None), "reward_model", "ground_truth is null"),
-        (lambda r: r.update(data_source=None), "data_source", "data_source is empty or null"),
+        (_set_prompt(None), "prompt", "empty prompt"),
+        (_set_prompt([]), "prompt", "empty prompt"),
+        (_set_prompt([{"content": " \n ", "role": "system"}, {"content": "\t", "role": "user"}]), "prompt", "empty"),
+        (_set_prompt([{"content": None, "role": "user"}]), "prompt", "empty prompt"),
+        (lambda row: row.update(reward_model=None), "reward_model", "reward_model is null"),
+        (_set_ground_truth(None), "reward_model", "ground_truth is null (verl would score against the string 'None')"),
+        (lambda row: row.update(data_source=None), "data_source", "data_source is null"),
     ],
+    ids=["null prompt", "empty chat", "blank chat", "null content", "null reward_model", "null gt", "null source"],
 )
-def test_each_bad_row_is_named_by_file_row_and_column(tmp_path, edit, column, what):
+def test_each_bad_row_is_named_by_file_row_and_column(tmp_path, default_job, edit, column, what):
     rows = _rows(6)
     for i in (2, 4):
         edit(rows[i])
     path = write_parquet(rows, tmp_path / "train.parquet")
-    with pytest.raises(DataCheckError) as err:
-        check_data(_job(path))
-    message = str(err.value)
-    assert message.startswith(f"{path}: row 2, column {column}: ") and what in message
-    assert message.endswith("(and 1 more rows)") and "\n" not in message
+    message = _refusal(_with_files(default_job, path))
+    assert message.startswith(f"{path}: row 2, column {column}: ")
+    assert what in message and message.endswith("(and 1 more row)")
 
 
-def test_a_missing_file_or_column_is_refused(tmp_path):
-    with pytest.raises(DataCheckError, match=r"nothere.parquet: no such file"):
-        check_data(_job(tmp_path / "nothere.parquet"))
-    table = pa.Table.from_pylist(_rows()).drop_columns(["reward_model"])
-    pq.write_table(table, tmp_path / "bare.parquet")
-    with pytest.raises(DataCheckError, match=r"bare.parquet: no column\(s\) \['reward_model'\]"):
-        check_data(_job(tmp_path / "bare.parquet"))
+def test_a_chat_with_one_non_blank_message_is_not_empty(tmp_path, default_job):
+    rows = _rows(3)
+    rows[1]["prompt"] = [{"content": " ", "role": "system"}, {"content": "What is 1 + 1?", "role": "user"}]
+    check_data(_with_files(default_job, write_parquet(rows, tmp_path / "train.parquet")))
 
 
-def test_a_validation_file_is_checked_too(tmp_path):
+def test_every_kind_of_problem_in_the_file_is_on_the_one_line(tmp_path, default_job):
+    rows = _rows(8)
+    rows[1]["prompt"] = []
+    for i in (3, 5, 6):
+        rows[i]["reward_model"]["ground_truth"] = None
+    rows[7]["data_source"] = UNKNOWN_SOURCE
+    path = write_parquet(rows, tmp_path / "train.parquet")
+    parts = _refusal(_with_files(default_job, path)).removeprefix(f"{path}: ").split("; ")
+    assert [p.split(":")[0] for p in parts] == [
+        "row 1, column prompt",
+        "row 3, column reward_model",
+        "row 7, column data_source",
+    ]
+    assert parts[1].endswith("(and 2 more rows)")
+
+
+def test_a_ground_truth_field_missing_from_reward_model_is_refused(tmp_path, default_job):
+    rows = _rows(3)
+    for row in rows:
+        row["reward_model"] = {"style": "rule"}
+    path = tmp_path / "no_gt.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    message = _refusal(_with_files(default_job, path))
+    assert message == f"{path}: row 0, column reward_model: reward_model has no ground_truth field (and 2 more rows)"
+
+
+@pytest.mark.parametrize("column", ["prompt", "data_source", "reward_model"])
+def test_a_file_without_a_needed_column_is_refused(tmp_path, default_job, column):
+    path = tmp_path / "bare.parquet"
+    pq.write_table(pa.Table.from_pylist(_rows(), schema=VERL_SCHEMA).drop_columns([column]), path)
+    assert _refusal(_with_files(default_job, path)).startswith(f"{path}: no column {column} ")
+
+
+def test_a_missing_file_is_refused(tmp_path, default_job):
+    train = write_parquet(_rows(), tmp_path / "train.parquet")
+    missing = tmp_path / "nothere.parquet"
+    assert _refusal(_with_files(default_job, train, [missing])) == f"{missing}: no such file"
+
+
+def test_a_validation_file_is_checked_too(tmp_path, default_job):
     train = write_parquet(_rows(), tmp_path / "train.parquet")
     rows = _rows(3)
     rows[1]["reward_model"] = None
     val = write_parquet(rows, tmp_path / "val.parquet")
-    with pytest.raises(DataCheckError, match=r"val.parquet: row 1, column reward_model: reward_model is null$"):
-        check_data(_job(train, [val]))
+    message = _refusal(_with_files(default_job, train, [val]))
+    assert message == f"{val}: row 1, column reward_model: reward_model is null"
 
 
-def test_a_source_verls_scorer_does_not_know_is_refused(tmp_path):
-    rows = _rows(5)
-    for row in rows[3:]:
-        row["data_source"] = "amc23"  # verl 0.9.1's scorer knows no AMC source (docs/cluster.md, "Data")
+def test_a_source_verls_default_scorer_does_not_know_is_refused(tmp_path, default_job):
+    rows = _rows(6)
+    for i in (3, 5):
+        rows[i]["data_source"] = UNKNOWN_SOURCE
     path = write_parquet(rows, tmp_path / "train.parquet")
-    with pytest.raises(DataCheckError) as err:
-        check_data(_job(path))
-    message = str(err.value)
-    assert message.startswith(f"{path}: row 3, column data_source: verl's default_compute_score does not score ")
-    assert "data_source='amc23' (NotImplementedError" in message and message.endswith("(and 1 more rows)")
+    message = _refusal(_with_files(default_job, path))
+    assert message.startswith(f"{path}: row 3, column data_source: data_source '{UNKNOWN_SOURCE}' is not scored ")
+    assert f"(NotImplementedError: Reward function is not implemented for data_source='{UNKNOWN_SOURCE}')" in message
+    assert message.endswith("(and 1 more row)")
 
 
-def test_the_cpu_kits_scorer_refuses_a_foreign_source_and_accepts_its_own(tmp_path):
-    from respo_verl.cpu.kit.task import DATA_SOURCE
-
-    good = write_parquet(_rows(3, DATA_SOURCE), tmp_path / "kit.parquet")
-    check_data(_job(good, cpu=True))
+def test_the_cpu_kits_reward_accepts_its_source_and_refuses_a_foreign_one(tmp_path, cpu_job):
+    kit = write_parquet(_rows(3, KIT_SOURCE), tmp_path / "kit.parquet")
+    check_data(_with_files(cpu_job, kit, [kit]))
     foreign = write_parquet(_rows(3, "math_dapo"), tmp_path / "foreign.parquet")
-    with pytest.raises(DataCheckError, match=r"foreign.parquet: row 0, column data_source: pkg://respo_verl.cpu.kit"):
-        check_data(_job(foreign, cpu=True))
+    message = _refusal(_with_files(cpu_job, kit, [foreign]))
+    assert message.startswith(f"{foreign}: row 0, column data_source: data_source 'math_dapo' is not scored ")
+    assert "(ValueError: respo_verl.cpu.kit.reward scores only" in message and message.endswith("(and 2 more rows)")
 
 
-def test_a_dapo_math_sized_file_is_checked(tmp_path):
-    path = write_parquet(_rows(17_000), tmp_path / "dapo.parquet")
-    score, name = scorer(_job(path))
-    assert check_file(path, score, name) == 17_000
+CUSTOM_REWARD = """
+import json
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, log=None, **kwargs):
+    with open(log, "a") as f:
+        f.write(json.dumps([data_source, solution_str, ground_truth, extra_info["index"]]) + "\\n")
+    return 0.0
+"""
+
+
+def test_a_custom_reward_is_loaded_as_verl_loads_it_and_called_once_per_source(tmp_path, default_job):
+    reward_file, log = tmp_path / "my_reward.py", tmp_path / "calls.jsonl"
+    reward_file.write_text(CUSTOM_REWARD)
+    rows = _rows(6)
+    rows[0]["reward_model"]["ground_truth"] = None  # refused, and not the ground truth a probe gets
+    for row in rows[3:]:
+        row["data_source"] = "mine/b"
+    train = write_parquet(rows, tmp_path / "train.parquet")
+    val = write_parquet(_rows(2, "mine/b") + _rows(2, "mine/c"), tmp_path / "val.parquet")
+    cfg = _with_files(default_job, val, [val, train])
+    cfg.reward.custom_reward_function.path = str(reward_file)
+    with open_dict(cfg):
+        cfg.reward.custom_reward_function.reward_kwargs = {"log": str(log)}  # verl passes these to every call
+    message = _refusal(cfg)
+    assert message == f"{train}: row 0, column reward_model: reward_model.ground_truth is null " + (
+        "(verl would score against the string 'None')"
+    )
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [["mine/b", "", "1", 0], ["mine/c", "", "1", 0], ["math_dapo", "", "2", 1]]
+
+
+def test_a_custom_reward_that_cannot_be_loaded_is_named_by_its_key(tmp_path, default_job):
+    cfg = _with_files(default_job, write_parquet(_rows(), tmp_path / "train.parquet"))
+    cfg.reward.custom_reward_function.path = str(tmp_path / "absent.py")
+    message = _refusal(cfg)
+    assert message.startswith(f"reward.custom_reward_function.path={tmp_path / 'absent.py'}: cannot load it ")
+
+
+def test_a_model_scored_job_does_not_probe_data_sources(tmp_path, default_job):
+    cfg = _with_files(default_job, write_parquet(_rows(3, UNKNOWN_SOURCE), tmp_path / "train.parquet"))
+    OmegaConf.update(cfg, "reward.reward_model.enable", True)
+    check_data(cfg)
+
+
+def test_a_dapo_math_sized_file_is_checked(tmp_path, default_job):
+    rows = _rows(DAPO_ROWS)
+    path = tmp_path / "dapo.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=VERL_SCHEMA), path, row_group_size=ROW_GROUP)
+    check_data(_with_files(default_job, path, [path]))
+    rows[DAPO_ROWS - 1]["prompt"] = [{"content": "", "role": "user"}]
+    pq.write_table(pa.Table.from_pylist(rows, schema=VERL_SCHEMA), path, row_group_size=ROW_GROUP)
+    assert _refusal(_with_files(default_job, path)) == f"{path}: row {DAPO_ROWS - 1}, column prompt: empty prompt"
 
 
 def test_the_entry_point_refuses_bad_data_in_one_line_before_ray(tmp_path):
+    import subprocess
+    import sys
+
     rows = _rows(4)
     rows[1]["prompt"] = [{"content": "", "role": "user"}]
     path = write_parquet(rows, tmp_path / "train.parquet")
@@ -113,4 +247,4 @@ def test_the_entry_point_refuses_bad_data_in_one_line_before_ray(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"respo_verl.main_ppo: {path}: row 1, column prompt: empty prompt" in proc.stderr
-    assert "ray" not in (proc.stdout + proc.stderr).lower().replace("array", "")
+    assert "Traceback" not in proc.stderr and "TaskRunner" not in proc.stdout + proc.stderr
