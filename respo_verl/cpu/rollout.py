@@ -25,12 +25,19 @@ its forwards chose, as verl's vLLM server does: ``TokenOutput.routed_experts``, 
 response length - 1, MoE layers, top-k) with the routes of every token fed to the model (the last sampled token is
 never fed), recorded with :class:`respo_verl.routing.hf.RoutingReplay`.
 
+With ``actor_rollout_ref.rollout.full_determinism=true`` (verl's own switch: its agent loops then name each request
+``det-<position in the batch>``), every request samples from a generator of its own, seeded from the rollout seed,
+the training step and the request id (:func:`request_generator`), so the order in which the agent loop's requests
+reach the server no longer matters: two runs with one seed sample the same responses, and a resumed run samples what
+the uninterrupted one did. Otherwise the server's one generator, seeded at start-up, serves requests as they come.
+
 Not exercised by this rollout: vLLM/SGLang scheduling, prefix caching, CUDA-IPC weight transfer, multi-modal inputs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -50,6 +57,12 @@ logger = logging.getLogger(__name__)
 
 def _server_name(replica_rank: int, node_rank: int = 0) -> str:
     return f"{ROLLOUT_NAME}_server_{replica_rank}_{node_rank}"
+
+
+def request_generator(seed: int, global_steps: int | None, request_id: str) -> torch.Generator:
+    """The generator of one request in deterministic mode: a function of (seed, step, request id) only."""
+    digest = hashlib.sha256(f"{int(seed)}/{global_steps}/{request_id}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator):
@@ -103,7 +116,9 @@ class CPURolloutServer:
         generation = self.model.generation_config
         eos = generation.eos_token_id if generation.eos_token_id is not None else self.model.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.generator = torch.Generator().manual_seed(int(getattr(config, "seed", 0)) + replica_rank)
+        self.seed = int(getattr(config, "seed", 0))
+        self.generator = torch.Generator().manual_seed(self.seed + replica_rank)
+        self.deterministic = bool(getattr(config, "full_determinism", False))
         self.routing = None
         if bool(getattr(config, "enable_rollout_routing_replay", False)):
             from respo_verl.routing.hf import RoutingReplay
@@ -133,7 +148,7 @@ class CPURolloutServer:
 
     @torch.no_grad()
     def _generate(
-        self, prompt_ids: list[int], max_tokens: int, params: dict
+        self, prompt_ids: list[int], max_tokens: int, params: dict, generator: torch.Generator
     ) -> tuple[list[int], list[float], str, torch.Tensor | None]:
         temperature = float(params.get("temperature", 1.0))
         top_p = float(params.get("top_p", 1.0))
@@ -145,7 +160,7 @@ class CPURolloutServer:
         for _ in range(max_tokens):
             out = self._forward(input_ids, past, routes)
             past = out.past_key_values
-            token, log_prob = _sample(out.logits[0, -1], temperature, top_p, top_k, self.generator)
+            token, log_prob = _sample(out.logits[0, -1], temperature, top_p, top_k, generator)
             tokens.append(token)
             log_probs.append(log_prob)
             if token in self.eos_token_ids and not ignore_eos:
@@ -174,8 +189,12 @@ class CPURolloutServer:
                 return TokenOutput(
                     token_ids=[], stop_reason="aborted", extra_fields={"global_steps": self.global_steps}
                 )
+            if self.deterministic:
+                generator = request_generator(self.seed, self.global_steps, request_id)
+            else:
+                generator = self.generator
             tokens, log_probs, stop, routed = await asyncio.to_thread(
-                self._generate, list(prompt_ids), max_tokens, params
+                self._generate, list(prompt_ids), max_tokens, params, generator
             )
         return TokenOutput(
             token_ids=tokens,

@@ -189,3 +189,32 @@ def test_rollout_server_loads_only_complete_matching_weight_updates():
         server.update_weights({k: v for k, v in state.items() if k != name})
     with pytest.raises(ValueError, match="shape"):
         server.update_weights({**state, name: torch.zeros(1)})
+
+
+def test_deterministic_rollout_samples_by_request_not_by_arrival_order():
+    """verl's ``rollout.full_determinism`` names requests ``det-<position>``; the server's draws then depend on
+    (seed, step, request id) only, so request order, which the agent loop does not fix, no longer matters."""
+    import asyncio
+
+    from respo_verl.cpu.rollout import CPURolloutServer
+
+    kit = build_kit(KitSpec(), progress=False)
+    config = OmegaConf.create({"prompt_length": 8, "response_length": 12, "seed": 5, "full_determinism": True})
+    prompt = [1, 2, 3, 4]
+    # a hot temperature: the tiny model's draws after these four tokens are then far from certain
+    params = {"temperature": 4.0, "top_p": 1.0, "logprobs": True}
+
+    async def serve(server, order, step=1):
+        await server.set_global_steps(step)
+        outputs = await asyncio.gather(*(server.generate(prompt, params, f"det-{i}") for i in order))
+        return {i: (out.token_ids, out.log_probs) for i, out in zip(order, outputs, strict=True)}
+
+    async def main():
+        first = await serve(CPURolloutServer(config, OmegaConf.create({"path": str(kit.model)})), [0, 1, 2, 3])
+        other = CPURolloutServer(config, OmegaConf.create({"path": str(kit.model)}))
+        return first, await serve(other, [3, 1, 0, 2]), await serve(other, [0, 1, 2, 3], step=2)
+
+    first, reordered, next_step = asyncio.run(main())
+    assert reordered == first
+    assert len({tuple(tokens) for tokens, _ in first.values()}) > 1  # one prompt, different samples per request
+    assert next_step != first  # another step draws anew
