@@ -20,7 +20,7 @@ Sums stay on the device until :meth:`RouteDriftStats.metrics`, which makes one h
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -65,16 +65,32 @@ class RouteDriftStats:
     Args:
         layers: the MoE layer indices of the model (keys of the per-layer metrics). The metric key set depends only
             on these, so it is the same on every call, with NaN where nothing was replayed.
+        chunk_of: layer -> model chunk (virtual-pipeline stage) holding it; None: one chunk holds every layer.
+
+    Forwards for ``any_layer_flip_frac``: within one chunk, the layers of a micro-batch run in order, so a layer seen
+    again starts the chunk's next micro-batch. Each chunk takes the micro-batches in the same order (megatron's
+    interleaved schedule runs chunk 1 of micro-batch 0 after chunk 0 of micro-batch 1, but every chunk counts
+    micro-batches 0, 1, 2, ...), so the n-th micro-batch of every chunk is the same tokens: their flips are OR-ed,
+    and the micro-batch is closed once every chunk has moved past it.
     """
 
-    def __init__(self, layers: Iterable[int]):
+    def __init__(self, layers: Iterable[int], chunk_of: Mapping[int, int] | None = None):
         self.layers = tuple(sorted(layers))
         self._row = {layer: i for i, layer in enumerate(self.layers)}
+        chunk_of = dict(chunk_of) if chunk_of is not None else dict.fromkeys(self.layers, 0)
+        if set(chunk_of) != set(self.layers):
+            raise ValueError(f"chunk_of covers layers {sorted(chunk_of)}, not the MoE layers {list(self.layers)}")
+        self._chunk_of = chunk_of
+        self._chunks = tuple(sorted(set(chunk_of.values())))
         self._sums: torch.Tensor | None = None  # (layers, slots), lazily on the routes' device
         self._any_flipped: torch.Tensor | None = None  # (2,) tokens, tokens flipped in any layer
-        self._forward_flipped_tok: torch.Tensor | None = None  # (tokens,) of the forward in progress
-        self._forward_weight_tok: torch.Tensor | None = None  # (tokens,)
-        self._forward_layers: set[int] = set()
+        self._reset_forwards()
+
+    def _reset_forwards(self) -> None:
+        self._chunk_layers: dict[int, set[int]] = {c: set() for c in self._chunks}  # layers of its micro-batch
+        self._chunk_micro_batch: dict[int, int] = dict.fromkeys(self._chunks, -1)  # -1: none started
+        # micro-batch -> (flipped_tok, weight_tok, first layer that counted it) of forwards still open
+        self._open: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def update(
         self,
@@ -86,15 +102,15 @@ class RouteDriftStats:
     ) -> None:
         """Add one layer of one forward; see :func:`route_drift` for the arguments.
 
-        A layer seen again closes the forward in progress (:meth:`end_forward`): micro-batches that run one after
-        another are separate forwards for ``any_layer_flip_frac``.
-
         Args:
             token_mask: (tokens,) bool, tokens to count (e.g. not padding); None counts all.
         """
-        if layer in self._forward_layers:
-            self.end_forward()
-        self._forward_layers.add(layer)
+        chunk = self._chunk_of[layer]
+        if layer in self._chunk_layers[chunk] or self._chunk_micro_batch[chunk] < 0:
+            self._chunk_layers[chunk] = set()
+            self._chunk_micro_batch[chunk] += 1
+        self._chunk_layers[chunk].add(layer)
+        micro_batch = self._chunk_micro_batch[chunk]
         with torch.no_grad():
             flipped_tok, overlap_tok, mass_delta_tok = route_drift(replayed_topk_idx, native_topk_idx, probs)
             weight_tok = torch.ones_like(overlap_tok) if token_mask is None else token_mask.to(overlap_tok.dtype)
@@ -113,34 +129,34 @@ class RouteDriftStats:
                 self._any_flipped = torch.zeros(2, dtype=torch.float64, device=row.device)
             self._sums[self._row[layer]] += row.to(torch.float64)
             flipped_tok = flipped_tok & (weight_tok > 0)
-            if self._forward_flipped_tok is None:
-                self._forward_flipped_tok = flipped_tok
-                self._forward_weight_tok = weight_tok
-            elif self._forward_flipped_tok.shape != flipped_tok.shape:
-                raise ValueError(
-                    f"routing diagnostics: MoE layer {layer} routed {flipped_tok.shape[0]} tokens, but earlier "
-                    f"layers of the same forward routed {self._forward_flipped_tok.shape[0]}"
-                )
+            if micro_batch not in self._open:
+                self._open[micro_batch] = (flipped_tok, weight_tok, layer)
             else:
-                self._forward_flipped_tok = self._forward_flipped_tok | flipped_tok
+                so_far, weight, first = self._open[micro_batch]
+                if so_far.shape != flipped_tok.shape:
+                    raise ValueError(
+                        f"routing diagnostics: MoE layer {layer} routed {flipped_tok.shape[0]} tokens in micro-batch "
+                        f"{micro_batch}, but layer {first} routed {so_far.shape[0]} in the same micro-batch"
+                    )
+                self._open[micro_batch] = (so_far | flipped_tok, weight, first)
+        self._close(min(self._chunk_micro_batch.values()))
+
+    def _close(self, before: int) -> None:
+        """Count the open micro-batches numbered below ``before``: their tokens flipped in at least one layer."""
+        for micro_batch in sorted(m for m in self._open if m < before):
+            flipped_tok, weight_tok, _ = self._open.pop(micro_batch)
+            with torch.no_grad():
+                self._any_flipped += torch.stack([weight_tok.sum(), flipped_tok.sum()]).to(torch.float64)
 
     def end_forward(self) -> None:
-        """Close one forward: count its tokens that flipped in at least one layer."""
-        self._forward_layers = set()
-        if self._forward_flipped_tok is None:
-            return
-        with torch.no_grad():
-            self._any_flipped += torch.stack([self._forward_weight_tok.sum(), self._forward_flipped_tok.sum()]).to(
-                torch.float64
-            )
-        self._forward_flipped_tok = None
+        """Close every forward in progress (the end of a step: every micro-batch has run through every chunk)."""
+        self._close(math.inf)
+        self._reset_forwards()
 
     def reset(self) -> None:
         self._sums = None
         self._any_flipped = None
-        self._forward_flipped_tok = None
-        self._forward_weight_tok = None
-        self._forward_layers = set()
+        self._reset_forwards()
 
     def sums(self, reset: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The raw sums behind :meth:`metrics`, still on the device (no host sync), for reducing across ranks.

@@ -7,13 +7,17 @@ micro-batches, and summed over ranks before it becomes a ratio. So :class:`Route
 verl's public ``EngineRegistry`` under the vendor :data:`VENDOR`, which the ``routing=r2|r3`` presets select with
 verl's own ``VERL_ENGINE_VENDOR``. Other engines, other vendors and other processes are untouched; the plugin
 applies :data:`REGISTRATION`, which waits until verl imports its Megatron engine module (trainer workers only:
-nothing heavy is imported in the driver, the TaskRunner or the rollout).
+nothing heavy is imported in the driver, the TaskRunner or the rollout). A failure to register them is a
+:class:`RouteDriftRegistrationError` raised from that import, in the trainer worker that builds the engine: it stops
+the trainer with the cause; the rollout never imports the Megatron engine and is not affected.
 
 What it does. With routing replay off (verl's ``engine.enable_routing_replay``) or on a call whose batch does not ask
 for replay (verl's ``enable_routing_replay`` batch flag: off for the reference model) the subclass calls verl's
 method and nothing else. Otherwise it attaches a :class:`respo_verl.routing.megatron.RouteDriftMonitor` to
 ``engine.module`` (its own model chunks, walked for their routers; re-attached if the engine rebuilds its model)
-and runs verl's method inside ``monitor.step()``. Bad replay data raises there, naming the layer.
+and runs verl's method inside ``monitor.step()``. Bad replay data raises there, naming the layer; the batch's
+``routed_experts`` are checked for expert indices out of range on the host first (one reduction and one host copy
+per call), so that on CUDA a bad index is a named error rather than a device-side assert.
 
 Where the numbers go. verl's trainer prefixes ``update_actor`` metrics with ``actor/`` and, of ``compute_log_prob``'s
 metrics, keeps only ``mfu``. So:
@@ -99,10 +103,27 @@ def register_engines(
             )
 
 
+class RouteDriftRegistrationError(RuntimeError):
+    """The route-drift engines could not be registered once verl imported its Megatron engine.
+
+    A RuntimeError, not an ImportError: verl's ``verl.workers.engine`` turns an ImportError of its Megatron engine
+    into a warning and goes on without that engine, which would hide the cause."""
+
+
+def _register_after_import(patch: Patch) -> None:
+    try:
+        register_engines(patch, engine_classes(), DEVICES)
+    except Exception as exc:
+        raise RouteDriftRegistrationError(
+            f"respo-verl could not register its route-drift Megatron engines (vendor {VENDOR}) after verl imported "
+            f"{MEGATRON_ENGINE_MODULE}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def _install(patch: Patch) -> None:
     patch.after_import(
         MEGATRON_ENGINE_MODULE,
-        lambda: register_engines(patch, engine_classes(), DEVICES),
+        lambda: _register_after_import(patch),
         why="register the route-drift engines once verl has imported its Megatron engine",
     )
 
@@ -142,6 +163,11 @@ class _EngineRouteDrift:
     def run(self, original, engine, data, loss_function, forward_only):
         """``original(data, loss_function, forward_only)`` (verl's bound method) with the routers watched."""
         self._attach(engine.module)
+        routes = data.get("routed_experts", None)
+        if routes is not None:
+            from respo_verl.routing.megatron import check_expert_indices
+
+            check_expert_indices(routes, engine.tf_config.num_moe_experts)
         if self.monitor is None:
             output = original(data, loss_function, forward_only)
             sums = (None, None)

@@ -11,17 +11,26 @@ never the class, never a process-global list), so it works with whichever implem
 On REPLAY_FORWARD the wrapper
 
 - checks the replay data: present, shape (tokens, topk) equal to the scores' token count, indices in
-  ``[0, num_experts)`` (an asynchronous device assert, no host sync); an error names the layer and the shapes;
+  ``[0, num_experts)``; an error names the layer and the shapes. The index check is on the host for data on the
+  host; for data on an accelerator it is an asynchronous device assert (no host sync on the hot path), a backstop:
+  the route-drift engine checks the whole batch's ``routed_experts`` on the host once per call
+  (:func:`check_expert_indices`), so a bad index is reported with its layer before any forward;
 - computes the native top-k once more from the ``scores`` the router passes in (one extra top-k; the logits and
-  scores exist anyway) and accumulates :class:`respo_verl.routing.diagnostics.RouteDriftStats`; with verl's R3
-  ``replay_mask`` only the replayed tokens (those with rollout routes) are counted.
+  scores exist anyway) and accumulates :class:`respo_verl.routing.diagnostics.RouteDriftStats`. Counted are the
+  replayed tokens: with verl's R3 ``replay_mask`` the tokens with rollout routes; and never verl's THD padding rows.
+  verl packs each sequence to a multiple of TP·CP (·2 with CP) and replays the padding rows as expert 0 repeated k
+  times, which no router can choose (a top-k holds k distinct experts), so with ``topk > 1`` such rows are not
+  counted (with ``topk == 1`` a padding row cannot be told from a route to expert 0, and is counted).
 
 REPLAY_BACKWARD (recompute of the same forward in the backward pass) is checked but not counted again.
-:meth:`RouteDriftMonitor.step` closes a step: replay data set but never consumed by a REPLAY_FORWARD is an error.
-Nothing is installed when the model has no ``router_replay`` objects (replay off): zero cost.
+:meth:`RouteDriftMonitor.step` closes a step: replay data set on a router (``set_target_indices``) and never
+consumed by a REPLAY_FORWARD before the next set or the end of the step is an error. Nothing is installed when the
+model has no ``router_replay`` objects (replay off): zero cost.
 
 Layer keys are ``router.layer_number - 1``: megatron's global 1-based layer number, so pipeline stages report the
-layers they hold under their global indices; ``any_layer_flip_frac`` covers the layers of one stage.
+layers they hold under their global indices; ``any_layer_flip_frac`` covers the layers of one stage. With virtual
+pipeline stages (a list of model chunks), forwards are tracked per chunk and micro-batch (see
+:class:`respo_verl.routing.diagnostics.RouteDriftStats`), which is right in megatron's interleaved order.
 """
 
 from __future__ import annotations
@@ -47,9 +56,14 @@ def _action_name(router_replay) -> str | None:
 def find_replay_routers(model: nn.Module | Iterable[nn.Module]) -> dict[int, TopKRouter]:
     """``TopKRouter`` modules of ``model`` (or of its virtual-pipeline chunks) that carry a ``router_replay`` object,
     keyed by 0-based global layer index."""
+    return {layer: router for layer, (router, _) in _replay_routers(model).items()}
+
+
+def _replay_routers(model: nn.Module | Iterable[nn.Module]) -> dict[int, tuple[TopKRouter, int]]:
+    """As :func:`find_replay_routers`, with the index of the chunk holding each router."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    routers: dict[int, TopKRouter] = {}
-    for chunk in chunks:
+    routers: dict[int, tuple[TopKRouter, int]] = {}
+    for chunk_index, chunk in enumerate(chunks):
         for name, module in chunk.named_modules():
             if not isinstance(module, TopKRouter) or getattr(module, "router_replay", None) is None:
                 continue
@@ -58,7 +72,7 @@ def find_replay_routers(model: nn.Module | Iterable[nn.Module]) -> dict[int, Top
             layer = module.layer_number - 1
             if layer in routers:
                 raise ValueError(f"two routers claim MoE layer {layer} (router {name!r})")
-            routers[layer] = module
+            routers[layer] = (module, chunk_index)
     return routers
 
 
@@ -77,7 +91,8 @@ class RouteDriftMonitor:
     """
 
     def __init__(self, model: nn.Module | Iterable[nn.Module]):
-        self.routers = find_replay_routers(model)
+        with_chunks = _replay_routers(model)
+        self.routers = {layer: router for layer, (router, _) in with_chunks.items()}
         if not self.routers:
             raise ValueError(
                 "no MoE router with routing replay in the model: build it with moe_enable_routing_replay=True "
@@ -88,11 +103,13 @@ class RouteDriftMonitor:
             if owner is not None:
                 raise RuntimeError(f"MoE layer {layer} already has a RouteDriftMonitor; use RouteDriftMonitor.attach")
         self.layers = tuple(sorted(self.routers))
-        self._stats = RouteDriftStats(self.layers)
-        self._consumed: dict[int, int] = {}  # layer -> id() of the last replay target consumed
+        self._stats = RouteDriftStats(self.layers, {layer: chunk for layer, (_, chunk) in with_chunks.items()})
+        self._pending: dict[int, tuple[int, ...]] = {}  # layer -> shape of replay data set and not consumed yet
+        self._unconsumed: list[str] = []
         for layer, router in self.routers.items():
             replay = router.router_replay
             replay.get_replay_topk = self._wrap(layer, router, replay.get_replay_topk)
+            replay.set_target_indices = self._wrap_set(layer, replay.set_target_indices)
             setattr(replay, _WRAPPED_ATTR, self)
 
     @classmethod
@@ -116,6 +133,7 @@ class RouteDriftMonitor:
             replay = router.router_replay
             if getattr(replay, _WRAPPED_ATTR, None) is self:
                 del replay.get_replay_topk
+                del replay.set_target_indices
                 delattr(replay, _WRAPPED_ATTR)
 
     def __enter__(self) -> RouteDriftMonitor:
@@ -127,15 +145,14 @@ class RouteDriftMonitor:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """One step (e.g. verl's ``forward_backward_batch``): on a clean exit, replay data that some layer was given
-        but never consumed by a REPLAY_FORWARD raises, naming the layer and the data's shape."""
-        yield
-        unconsumed = []
-        for layer, router in self.routers.items():
-            target = getattr(router.router_replay, "target_topk_idx", None)
-            if target is not None and self._consumed.get(layer) != id(target):
-                unconsumed.append(f"layer {layer} {tuple(target.shape)}")
-        self._consumed = {}
-        self._stats.end_forward()
+        but never consumed by a REPLAY_FORWARD raises, naming the layer and the data's shape. verl clears the
+        routers' data at the end of its method, so what was set is tracked as it is set."""
+        try:
+            yield
+        finally:
+            self._stats.end_forward()
+        unconsumed = self._unconsumed + [f"layer {layer} {shape}" for layer, shape in sorted(self._pending.items())]
+        self._pending, self._unconsumed = {}, []
         if unconsumed:
             raise ValueError(
                 f"routing replay: replay data left unconsumed at the end of the step: {', '.join(unconsumed)}"
@@ -173,7 +190,7 @@ class RouteDriftMonitor:
                 self._check(layer, pending[0], scores, topk, num_experts, "REPLAY_BACKWARD")
             probs, topk_idx = get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             if action == _REPLAY_FORWARD:
-                self._consumed[layer] = id(replay.target_topk_idx)
+                self._pending.pop(layer, None)
                 with torch.no_grad():
                     _, native_topk_idx = default_compute_topk(
                         scores, topk, num_groups=num_groups, group_topk=group_topk
@@ -186,10 +203,22 @@ class RouteDriftMonitor:
                     # and are not counted.
                     replay_mask = getattr(replay, "target_replay_mask", None)
                     token_mask = None if replay_mask is None else replay_mask.to(scores.device).reshape(-1).bool()
+                    padding = padding_rows(topk_idx)
+                    if padding is not None:
+                        token_mask = ~padding if token_mask is None else token_mask & ~padding
                     self._stats.update(layer, topk_idx, native_topk_idx, full_probs, token_mask)
             return probs, topk_idx
 
         return checked_get_replay_topk
+
+    def _wrap_set(self, layer: int, set_target_indices):
+        def tracked_set_target_indices(topk_indices, *args, **kwargs):
+            if layer in self._pending:
+                self._unconsumed.append(f"layer {layer} {self._pending[layer]} (replaced before use)")
+            self._pending[layer] = tuple(topk_indices.shape)
+            return set_target_indices(topk_indices, *args, **kwargs)
+
+        return tracked_set_target_indices
 
     @staticmethod
     def _check(layer: int, target, scores: torch.Tensor, topk: int, num_experts: int, action: str) -> None:
@@ -205,11 +234,43 @@ class RouteDriftMonitor:
             )
         if target.is_floating_point():
             raise ValueError(f"routing replay: layer {layer}: replay data must be integer, got {target.dtype}")
-        # Device-side assert: no host sync on the hot path; fails the step where the bad index is used.
-        torch._assert_async(
-            ((target >= 0) & (target < num_experts)).all(),
+        message = (
             f"routing replay: layer {layer}: replay data of shape {tuple(target.shape)} holds an expert index "
-            f"outside [0, {num_experts})",
+            f"outside [0, {num_experts})"
+        )
+        in_range = ((target >= 0) & (target < num_experts)).all()
+        if target.device.type == "cpu":
+            if not bool(in_range):
+                raise ValueError(message)
+        else:
+            # No host sync on the hot path; the engine has checked the batch on the host already.
+            torch._assert_async(in_range, message)
+
+
+def padding_rows(topk_idx: torch.Tensor) -> torch.Tensor | None:
+    """(tokens,) bool, the rows of replayed routes that are verl's THD padding: expert 0 repeated ``topk`` times
+    (a router's top-k holds distinct experts). None when ``topk == 1``, where padding cannot be told apart."""
+    if topk_idx.shape[-1] < 2:
+        return None
+    return (topk_idx == 0).all(dim=-1)
+
+
+def check_expert_indices(routes: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError naming the layers if ``routes`` (verl's ``routed_experts``: (batch, tokens, layers, topk),
+    dense or nested) hold an expert index outside ``[0, num_experts)``. One reduction and one host copy."""
+    values = routes.values() if routes.is_nested else routes
+    if values.numel() == 0:
+        return
+    if values.is_floating_point():
+        raise ValueError(f"routing replay: routed_experts must be integer, got {values.dtype}")
+    flat = values.reshape(-1, *values.shape[-2:])  # (rows, layers, topk)
+    bad = ((flat < 0) | (flat >= num_experts)).any(dim=-1).any(dim=0)  # (layers,)
+    layers = torch.nonzero(bad).flatten().tolist()  # the one host copy
+    if layers:
+        lo, hi = values.min().item(), values.max().item()
+        raise ValueError(
+            f"routing replay: routed_experts (shape {tuple(values.shape)}) hold expert indices outside "
+            f"[0, {num_experts}) in layer(s) {layers} of their layer dimension (min {lo}, max {hi})"
         )
 
 

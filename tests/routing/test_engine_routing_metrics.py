@@ -216,3 +216,109 @@ def test_the_plugin_registers_the_engines_only_once_verl_imports_its_megatron_en
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3:] == ["False", "True", "True"]
+
+
+def test_the_engine_does_not_let_unconsumed_replay_data_pass_although_verl_clears_it(engine_cls, input_ids):
+    """verl clears the routers' replay data at the end of its method, so the check tracks what was set."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    model = tiny_gpt_moe()
+    routes = _native_routes(model, input_ids)
+    engine = _engine(engine_cls, model, routes)
+
+    def set_twice_forward_once(self, data, loss_function, forward_only=False):
+        routers = find_replay_routers(self.module)
+        for router in routers.values():
+            router.router_replay.set_target_indices(self.routes[0])
+        router = routers[LAST]
+        router.router_replay.set_target_indices(self.routes[LAST])  # replaces data no forward used
+        try:
+            for router in routers.values():
+                router.router_replay.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+            forward(self.module[0], data["input_ids"])
+        finally:
+            for router in routers.values():
+                router.router_replay.clear_indices()
+                router.router_replay.router_replay_action = None
+        return {"model_output": {}, "loss": [0.5], "metrics": {}}
+
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    MegatronEngine.forward_backward_batch = set_twice_forward_once  # the fixture restores verl's body
+    with pytest.raises(ValueError, match=rf"unconsumed .*layer {LAST} \({TOKENS}, 2\) \(replaced before use\)"):
+        engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)
+
+
+@pytest.mark.parametrize("bad", [NUM_EXPERTS, -1])
+def test_routed_experts_out_of_range_are_refused_on_the_host_naming_the_layer(engine_cls, input_ids, bad):
+    """verl's batch carries the whole mini-batch's routes as ``routed_experts`` (batch, tokens, layers, topk); a bad
+    index is reported before any forward, with the layer, rather than as a device-side assert on CUDA."""
+    model = tiny_gpt_moe()
+    routes = _native_routes(model, input_ids)
+    routed = torch.stack([routes[layer].reshape(BATCH, SEQ, -1) for layer in range(NUM_LAYERS)], dim=2)
+    routed[1, 3, 1, 0] = bad
+    data = _batch(input_ids)
+    data["routed_experts"] = routed
+    with pytest.raises(ValueError, match=rf"outside \[0, {NUM_EXPERTS}\) in layer\(s\) \[1\] of their layer dimension"):
+        _engine(engine_cls, model, routes).forward_backward_batch(data, None, forward_only=False)
+    nested = torch.nested.nested_tensor([routed[0, :4], routed[1]], layout=torch.jagged)
+    data = _batch(input_ids)
+    data["routed_experts"] = nested
+    with pytest.raises(ValueError, match=r"in layer\(s\) \[1\]"):
+        _engine(engine_cls, model, routes).forward_backward_batch(data, None, forward_only=False)
+
+
+_BROKEN_ENGINE = """
+import importlib.abc, sys
+
+class _Broken(importlib.abc.MetaPathFinder):
+    # Stands in for a Transformer Engine or flash-attn build that fails at import with a RuntimeError.
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "verl.workers.engine.megatron.transformer_impl":
+            raise RuntimeError("transformer_engine: undefined symbol (stand-in)")
+        return None
+
+sys.meta_path.insert(0, _Broken())
+"""
+
+
+def _in_subprocess(code: str, tmp_path, prelude: str = "") -> subprocess.CompletedProcess:
+    (tmp_path / "sitecustomize.py").write_text(prelude)
+    env = {
+        **__import__("os").environ,
+        "PYTHONPATH": str(tmp_path),
+        "VERL_USE_EXTERNAL_MODULES": "respo_verl.verl.plugin",  # as the presets' Ray runtime env sets it
+    }
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_a_broken_megatron_engine_stops_the_trainer_with_its_cause_and_leaves_the_rollout_alone(tmp_path):
+    rollout = _in_subprocess(
+        "import verl, respo_verl.verl.plugin as p; print(sorted(k for k, v in p.registered().items() if v))",
+        tmp_path,
+        _BROKEN_ENGINE,
+    )
+    assert rollout.returncode == 0, rollout.stderr[-3000:]
+    assert "policy_loss/respo" in rollout.stdout and "engine/route_drift" in rollout.stdout
+    trainer = _in_subprocess("import verl; import verl.workers.engine", tmp_path, _BROKEN_ENGINE)
+    assert trainer.returncode != 0
+    assert "RuntimeError: transformer_engine: undefined symbol (stand-in)" in trainer.stderr
+
+
+@pytest.mark.slow
+def test_a_failed_route_drift_registration_is_not_hidden_as_a_missing_megatron_engine(tmp_path):
+    """verl turns an ImportError of its Megatron engine into a warning; a registration that fails with one (for
+    example a verl whose engine classes were renamed) must stop the trainer, naming the cause."""
+    code = (
+        "import verl\n"
+        "from respo_verl.routing import engine\n"
+        "def renamed(*mixins):\n"
+        "    raise ImportError('cannot import name MegatronEngineWithLMHead (stand-in)')\n"
+        "engine.engine_classes = renamed\n"
+        "import verl.workers.engine\n"
+    )
+    out = _in_subprocess(code, tmp_path)
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert "RouteDriftRegistrationError: respo-verl could not register its route-drift Megatron engines" in out.stderr
+    assert "ImportError: cannot import name MegatronEngineWithLMHead (stand-in)" in out.stderr

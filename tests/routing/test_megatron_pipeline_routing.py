@@ -357,3 +357,153 @@ def _replay_batch(input_ids):
     data = TensorDict({"input_ids": input_ids}, batch_size=[BATCH])
     tu.assign_non_tensor(data, enable_routing_replay=True)
     return data
+
+
+# -- virtual pipeline stages: megatron's interleaved schedule --------------------------------------------------------
+
+VPP = 2
+VPP_LAYERS = 8  # PP x VPP chunks of 2 layers: stage 0 holds layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7
+VPP_MICRO_BATCHES = 4
+VPP_DRIFT_LAYER = VPP_LAYERS - 1  # chunk 1 of stage 1: the last layer, so no other layer's inputs change
+VPP_FLIPS = (1, 3, 0, 5)  # tokens flipped in the drift layer, per micro-batch: every micro-batch differs
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_stages_count_each_micro_batch_once_in_the_interleaved_order():
+    """PP = 2 x VPP = 2 under megatron's interleaved 1F1B schedule, forward and backward, with replay data set per
+    chunk and micro-batch as verl's ``forward_step`` sets it. Each chunk's routers see micro-batches 0, 1, 2, 3 in
+    that order, interleaved with the other chunk's (chunk 1 of micro-batch 0 runs after chunk 0 of micro-batch 1).
+    Every micro-batch flips a different number of tokens in the last layer: the stage that holds it reports each
+    micro-batch once (replayed tokens 4 x T) and the exact share of tokens flipped in any layer."""
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    context = mp.spawn(_vpp_worker, args=(port,), nprocs=PP, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"two-rank virtual-pipeline test did not finish within {TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _vpp_worker(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(PP))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=datetime.timedelta(seconds=TIMEOUT_S // 2))
+    try:
+        with megatron_cpu(pipeline_model_parallel_size=PP, virtual_pipeline_model_parallel_size=VPP):
+            with _schedule_on_cpu():
+                _check_vpp_rank(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_vpp_rank(rank: int) -> None:
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
+
+    first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
+    chunks = []
+    for vp_stage in range(VPP):
+        chunks.append(
+            tiny_gpt_moe(
+                seed=vp_stage,
+                num_layers=VPP_LAYERS,
+                pipeline_model_parallel_size=PP,
+                virtual_pipeline_model_parallel_size=VPP,
+                microbatch_group_size_per_vp_stage=PP,
+                pipeline_dtype=torch.float32,
+                batch_p2p_comm=False,
+                gpt_kwargs=dict(
+                    _GPT_KWARGS,
+                    pre_process=first and vp_stage == 0,
+                    post_process=last and vp_stage == VPP - 1,
+                    vp_stage=vp_stage,
+                ),
+            )
+        )
+    per_chunk = VPP_LAYERS // (PP * VPP)
+    expected = {
+        vp_stage: list(range((vp_stage * PP + rank) * per_chunk, (vp_stage * PP + rank + 1) * per_chunk))
+        for vp_stage in range(VPP)
+    }
+    for vp_stage, chunk in enumerate(chunks):
+        assert sorted(find_replay_routers([chunk])) == expected[vp_stage], vp_stage
+    # The order this test relies on: megatron interleaves the chunks' micro-batches.
+    table = get_schedule_table(VPP_MICRO_BATCHES, VPP, PP)
+    assert table[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    # Record: the routes of every layer of this stage (every micro-batch holds the same tokens).
+    for chunk in chunks:
+        _set_action(chunk, "RECORD")
+    _run_vpp_schedule(chunks, input_ids, forward_only=True, routes=None)
+    routes = {layer: idx for chunk in chunks for layer, idx in _recorded(chunk).items()}
+    for chunk in chunks:
+        _clear(chunk)
+
+    monitor = RouteDriftMonitor.attach(chunks)
+    order = []
+    with monitor.step():
+        _run_vpp_schedule(chunks, input_ids, forward_only=False, routes=routes, order=order)
+    for chunk in chunks:
+        _clear(chunk)
+    # The forwards really ran interleaved: chunk 1 of micro-batch 0 after chunk 0 of micro-batch 1.
+    assert order.index((0, 1)) > order.index((1, 0)), order
+    metrics = monitor.metrics()
+    monitor.remove()
+    holds_drift = VPP_DRIFT_LAYER in expected[VPP - 1]
+    flipped = sum(VPP_FLIPS) if holds_drift else 0
+    assert metrics["actor/routing/replayed_tokens"] == VPP_MICRO_BATCHES * TOKENS, metrics
+    assert metrics["actor/routing/any_layer_flip_frac"] == flipped / (VPP_MICRO_BATCHES * TOKENS), metrics
+    for layer in (layer for layers in expected.values() for layer in layers):
+        flip = flipped / (VPP_MICRO_BATCHES * TOKENS) if layer == VPP_DRIFT_LAYER else 0.0
+        assert metrics[f"actor/routing/flip_frac/layer_{layer}"] == flip, (layer, metrics)
+
+
+def _run_vpp_schedule(chunks, input_ids, forward_only: bool, routes, order: list | None = None) -> list:
+    """Megatron's interleaved schedule over ``VPP_MICRO_BATCHES`` copies of ``input_ids``; with ``routes``, each
+    chunk's forward step sets its routers' replay data for its micro-batch (as verl's ``forward_step`` does), the
+    drift layer's with ``VPP_FLIPS[m]`` tokens flipped."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from respo_verl.routing.megatron import find_replay_routers
+
+    def forward_step(data_iterator, chunk):
+        micro_batch, tokens = next(data_iterator)
+        vp_stage = chunks.index(chunk)
+        if order is not None:
+            order.append((micro_batch, vp_stage))
+        if routes is not None:
+            for layer, router in find_replay_routers([chunk]).items():
+                flips = range(VPP_FLIPS[micro_batch]) if layer == VPP_DRIFT_LAYER else range(0)
+                router.router_replay.set_target_indices(_flip(routes[layer], flips))
+                router.router_replay.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+        output = forward(chunk, tokens)
+
+        def loss_func(logits):
+            return logits.square().mean(), {"logits": logits.detach()}
+
+        return output, loss_func
+
+    iterators = [iter([(m, input_ids) for m in range(VPP_MICRO_BATCHES)]) for _ in chunks]
+    with torch.set_grad_enabled(not forward_only):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=chunks,
+            num_microbatches=VPP_MICRO_BATCHES,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            forward_only=forward_only,
+        )

@@ -24,9 +24,11 @@ NUM_LAYERS, NUM_EXPERTS, TOP_K = 3, 8, 2
 
 
 @contextlib.contextmanager
-def megatron_cpu(pipeline_model_parallel_size: int = 1) -> Iterator[None]:
-    """Apply the CPU patch and start megatron's model-parallel state (TP = 1, PP as given) on a gloo world: the
-    caller's process group if one is initialised (e.g. two ranks for PP = 2), else a world of size 1."""
+def megatron_cpu(
+    pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None
+) -> Iterator[None]:
+    """Apply the CPU patch and start megatron's model-parallel state (TP = 1, PP and VPP as given) on a gloo world:
+    the caller's process group if one is initialised (e.g. two ranks for PP = 2), else a world of size 1."""
     from megatron.core import parallel_state
 
     with contextlib.ExitStack() as stack:
@@ -38,7 +40,11 @@ def megatron_cpu(pipeline_model_parallel_size: int = 1) -> Iterator[None]:
                 "gloo", init_method=f"file://{os.path.join(store_dir, 'store')}", rank=0, world_size=1
             )
             stack.callback(dist.destroy_process_group)
-        parallel_state.initialize_model_parallel(1, pipeline_model_parallel_size)
+        parallel_state.initialize_model_parallel(
+            1,
+            pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        )
         stack.callback(parallel_state.destroy_model_parallel)
         yield
 
