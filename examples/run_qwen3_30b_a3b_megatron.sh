@@ -15,7 +15,7 @@ CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/respo_verl}
 PROJECT=${PROJECT:-respo_verl}
 EXPERIMENT=${EXPERIMENT:-${ALGO}_qwen3_30b_a3b_N${N}_seed${SEED}${ROUTING:+_$ROUTING}}
 LOGGER=${LOGGER:-[console,wandb]}
-PYTHON=${PYTHON:-}                                 # empty: the checkout's .venv (make setup), else python3
+PYTHON=${PYTHON:-}                                 # empty: the checkout's .venv-gpu, else .venv, else python3
 PLAN=${PLAN:-1}                                    # 1: check the layout with `respo-verl plan` before starting
 DRY_RUN=${DRY_RUN:-0}                              # 1: print the command and compose it with --cfg job only
 # ---------------------------------------------------------------------------------------------------------------

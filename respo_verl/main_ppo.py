@@ -31,11 +31,21 @@ ENTRY = "respo"  # respo_verl.verl.compose.ENTRY_CONFIGS key of this entry point
 def _with_driver_hooks(runner_cls, config: DictConfig):
     """A stand-in for a TaskRunner actor class that, once Ray is up and right before the runner starts, runs the node
     preflight and installs the SIGTERM handler (:func:`_stop_on_sigterm`; here, because ``ray.init`` installs Ray's
-    own handler, which aborts the driver)."""
+    own handler, which aborts the driver).
+
+    The preflight checks on every node that this package is registered there and that what the job needs
+    (:func:`respo_verl.verl.requirements.job_requirements`: rollout engine, Megatron stack, DeepEP, CUDA GPUs)
+    imports there; a failure ends the run with exit 2 and one line per missing piece, before any model is loaded.
+    """
     from respo_verl.verl.preflight import check_ray_nodes
+    from respo_verl.verl.requirements import job_requirements
 
     def _before_start():
-        check_ray_nodes()
+        try:
+            check_ray_nodes(requirements=job_requirements(config))
+        except RuntimeError as exc:  # check_ray_nodes raises RuntimeError only for a failed preflight
+            print(f"respo_verl.main_ppo: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         _stop_on_sigterm(config)
 
     class _HookedTaskRunner:

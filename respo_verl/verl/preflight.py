@@ -1,4 +1,9 @@
-"""Start-up check that every Ray node can import respo_verl and sees its registrations."""
+"""Start-up check that every Ray node can import respo_verl, sees its registrations, and has what the job needs.
+
+What the job needs (vLLM, megatron-core, Transformer Engine, DeepEP, CUDA GPUs, ...) is derived from the composed
+config by :func:`respo_verl.verl.requirements.job_requirements`; the probe imports each piece on every node
+(:func:`respo_verl.verl.requirements.check_missing`).
+"""
 
 from __future__ import annotations
 
@@ -9,22 +14,29 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from respo_verl.entry_points import INSTALL_HINT
+from respo_verl.verl.requirements import Requirement
 
 # Long enough for a cold worker process to import torch and verl on a busy node.
 PREFLIGHT_TIMEOUT_S = 300.0
 
 
-def _probe() -> dict:
-    """Runs on one node: which of our registrations are visible there."""
+def _probe(requirements: tuple[Requirement, ...] = ()) -> dict:
+    """Runs on one node: which of our registrations are visible there, and which of ``requirements`` are missing."""
     host = socket.gethostname()
+    try:
+        from respo_verl.verl.requirements import check_missing
+
+        missing = check_missing(list(requirements))
+    except Exception as exc:  # reported with the rest; the registration check below still runs
+        missing = [f"the requirement check could not run ({type(exc).__name__}: {exc})".splitlines()[0]]
     try:
         import verl  # noqa: F401  (loads the verl.plugins entry points, as in every verl process)
 
         from respo_verl.verl.plugin import registered
 
-        return {"host": host, "registered": registered(), "error": None}
+        return {"host": host, "registered": registered(), "error": None, "missing": missing}
     except Exception as exc:  # reported back to the driver, which raises with the node named
-        return {"host": host, "registered": {}, "error": f"{type(exc).__name__}: {exc}"}
+        return {"host": host, "registered": {}, "error": f"{type(exc).__name__}: {exc}", "missing": missing}
 
 
 def _innermost_error(exc: BaseException) -> str:
@@ -34,24 +46,33 @@ def _innermost_error(exc: BaseException) -> str:
     return errors[-1] if errors else type(exc).__name__
 
 
-def check_ray_nodes(timeout_s: float = PREFLIGHT_TIMEOUT_S) -> list[dict]:
+def check_ray_nodes(
+    timeout_s: float = PREFLIGHT_TIMEOUT_S, requirements: list[Requirement] | tuple[Requirement, ...] = ()
+) -> list[dict]:
     """Run :func:`_probe` once on every alive Ray node; raise RuntimeError naming each node that fails.
 
     A node fails when the probe reports missing registrations, when the probe itself cannot run there (a node
-    without respo_verl cannot even load this module, and Ray raises on ``get``), or when it does not answer within
-    ``timeout_s``.
+    without respo_verl cannot even load this module, and Ray raises on ``get``), when it does not answer within
+    ``timeout_s``, or when one of ``requirements`` (:func:`respo_verl.verl.requirements.job_requirements` of the
+    job) does not import there or the node shows fewer CUDA GPUs than the job asks for.
+
+    The error's first line is ``respo-verl preflight failed on ...``; each missing requirement adds a line
+    ``node <address> (<host>): <package>: <why>; needed by <config key>``.
 
     Returns:
         The probe result of every node.
     """
     probe = ray.remote(num_cpus=0)(_probe)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
+    shipped = tuple(requirements)
     refs = [
-        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False)).remote()
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False)).remote(
+            shipped
+        )
         for n in nodes
     ]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    results, failures = [], []
+    results, failures, missing_lines, lacking_nodes = [], [], [], 0
     for node, ref in zip(nodes, refs, strict=True):
         where = f"node {node.get('NodeManagerAddress')}"
         try:
@@ -67,6 +88,21 @@ def check_ray_nodes(timeout_s: float = PREFLIGHT_TIMEOUT_S) -> list[dict]:
         if result["error"] or missing:
             reason = result["error"] or f"not registered: {', '.join(missing)}"
             failures.append(f"{where} ({result['host']}): {reason}")
+        node_missing = [f"{where} ({result['host']}): {line}" for line in result.get("missing", ())]
+        if node_missing:
+            lacking_nodes += 1
+            missing_lines.extend(node_missing)
     if failures:
-        raise RuntimeError("respo-verl preflight failed on " + "; ".join(failures) + f". Fix: {INSTALL_HINT}.")
+        message = "respo-verl preflight failed on " + "; ".join(failures) + f". Fix: {INSTALL_HINT}."
+        raise RuntimeError("\n".join([message, *missing_lines]))
+    if missing_lines:
+        raise RuntimeError(
+            "\n".join(
+                [
+                    f"respo-verl preflight failed on {lacking_nodes} node(s): the job needs what they lack "
+                    "(install it there, or change the key named):",
+                    *missing_lines,
+                ]
+            )
+        )
     return results

@@ -1,12 +1,15 @@
 # Sourced by examples/run_*.sh after their knob block: builds the verl command line, checks the layout with
 # `respo-verl plan`, then runs it (or, with DRY_RUN=1, prints it and composes it with `--cfg job`).
 # Expects: ALGO N SEED PRESET ROUTING MODEL_PATH DATA_DIR TASK SEED_KEY PYTHON DRY_RUN PLAN EXPERIMENT PROJECT
-# CKPT_DIR LOGGER, and "$@" (extra Hydra overrides). An empty PYTHON means the checkout's .venv if there is one
-# (`make setup`), else python3; either must import respo_verl.
+# CKPT_DIR LOGGER, and "$@" (extra Hydra overrides). An empty PYTHON means the checkout's GPU environment .venv-gpu
+# if there is one (scripts/install_gpu_env.sh), else its .venv (`make setup`, CPU torch), else python3; it must import
+# respo_verl, and for a CUDA job (trainer.device=cuda, verl's default) its torch must see CUDA.
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [[ -z "$PYTHON" ]]; then
-  if [[ -x "$ROOT_DIR/.venv/bin/python" ]]; then PYTHON="$ROOT_DIR/.venv/bin/python"; else PYTHON=python3; fi
+  if [[ -x "$ROOT_DIR/.venv-gpu/bin/python" ]]; then PYTHON="$ROOT_DIR/.venv-gpu/bin/python"
+  elif [[ -x "$ROOT_DIR/.venv/bin/python" ]]; then PYTHON="$ROOT_DIR/.venv/bin/python"
+  else PYTHON=python3; fi
 fi
 if ! "$PYTHON" -c "import respo_verl" >/dev/null 2>&1; then
   echo "PYTHON=$PYTHON cannot import respo_verl: run 'make setup' in $ROOT_DIR (this script then uses its .venv)," \
@@ -49,6 +52,31 @@ OVERRIDES=(
 if [[ -n "$ROUTING" ]]; then OVERRIDES+=("routing=$ROUTING"); fi
 OVERRIDES+=("$@")
 CMD=("$PYTHON" -m respo_verl.main_ppo "algorithm=$ALGO" "${OVERRIDES[@]}")
+
+# The job's device, from the overrides (the cluster presets leave verl's default, cuda; the device=cpu and
+# device=cpu_megatron presets set cpu). A CUDA job from an interpreter whose torch has no CUDA (the checkout's .venv
+# after `make setup` has CPU torch) is refused here rather than deep in a Ray worker. A dry run only composes.
+DEVICE=cuda
+for override in "${OVERRIDES[@]}"; do
+  case "$override" in
+    trainer.device=*|+trainer.device=*|++trainer.device=*) DEVICE="${override#*trainer.device=}";;
+    device=*|+device=*|++device=*) DEVICE=cpu;;
+  esac
+done
+if [[ "$DEVICE" == cuda && "$DRY_RUN" != 1 ]]; then
+  cuda_status=0
+  found=$("$PYTHON" -c 'import sys
+print(sys.executable, "Python", sys.version.split()[0], end="")
+import torch
+print(", torch", torch.__version__, end="")
+sys.exit(0 if torch.cuda.is_available() else 3)' 2>/dev/null) || cuda_status=$?
+  if (( cuda_status != 0 )); then
+    echo "PYTHON=$PYTHON ($found) has no CUDA (torch.cuda.is_available() is not True) but this job runs with" \
+      "trainer.device=cuda: install the GPU environment (scripts/install_gpu_env.sh creates $ROOT_DIR/.venv-gpu," \
+      "which this script then prefers), or set PYTHON to an interpreter whose torch sees CUDA" >&2
+    exit 2
+  fi
+fi
 
 if [[ "$PLAN" == 1 ]]; then
   PLAN_ARGS=(--algorithm "$ALGO")

@@ -79,3 +79,58 @@ def test_dry_run_plans_and_composes_the_job(script, env, strategy, loss_mode):
     assert job.actor_rollout_ref.actor.ppo_mini_batch_size == 32
     assert job.trainer.total_training_steps == 1024 // n
     assert job.reward.reward_manager.name == "dapo"
+
+
+def _cuda_python() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda_python(), reason="this interpreter's torch has CUDA")
+@pytest.mark.parametrize("script", ["examples/run_qwen3_1p7b_fsdp.sh", "examples/run_qwen3_30b_a3b_megatron.sh"])
+def test_a_cuda_job_from_an_interpreter_without_cuda_is_refused_naming_it(script):
+    res = _run(script, PLAN="0")
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith(f"PYTHON={sys.executable} ({sys.executable} Python ")
+    assert "has no CUDA" in line and "trainer.device=cuda" in line and ".venv-gpu" in line
+    assert "command:" not in res.stdout  # refused before the command is built into a run
+
+
+def _checkout_copy(root: Path, venvs: tuple[str, ...]) -> Path:
+    """The example's scripts in a checkout of their own whose virtual environments run this interpreter."""
+    for rel in ("examples/run_qwen3_1p7b_fsdp.sh", "scripts/launch/launch_common.sh"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text((ROOT / rel).read_text())
+    for venv in venvs:
+        python = root / venv / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        python.chmod(0o755)
+    return root / "examples/run_qwen3_1p7b_fsdp.sh"
+
+
+@pytest.mark.skipif(_cuda_python(), reason="this interpreter's torch has CUDA")
+def test_the_gpu_environment_is_preferred_to_the_cpu_one(tmp_path):
+    script = _checkout_copy(tmp_path, (".venv", ".venv-gpu"))
+    env = _plain_shell_env(PLAN="0")
+    res = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"PYTHON={tmp_path}/.venv-gpu/bin/python ({sys.executable} Python ")
+
+
+def test_a_dry_run_or_a_cpu_job_needs_no_cuda(tmp_path):
+    # A dry run only composes; the CPU presets set trainer.device=cpu. Both get past the check to the planner
+    # (PLAN=1), which refuses the bad override that stops the run here.
+    for env in ({"DRY_RUN": "1"}, {}):
+        extra = [] if env else ["+device=cpu"]
+        res = subprocess.run(
+            ["bash", str(ROOT / "examples/run_qwen3_1p7b_fsdp.sh"), *extra, "trainer.nnodes=abc"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHON": sys.executable, **env},
+            timeout=300,
+        )
+        assert res.returncode == 2 and "has no CUDA" not in res.stderr, res.stderr
+        assert "respo-verl plan refused its input" in res.stderr

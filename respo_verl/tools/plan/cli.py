@@ -21,6 +21,7 @@ from respo_verl.tools.plan.models import SHIPPED_MODELS, ModelConfigError, Model
 from respo_verl.tools.plan.presets import GPU_MEMORY_GIB, PRESETS, PresetError, compose_preset
 from respo_verl.tools.plan.rules import Violation, check_layout, size_violations
 from respo_verl.verl.jobcheck import check_job
+from respo_verl.verl.requirements import install_line, job_requirements
 
 EXIT_FITS, EXIT_VIOLATIONS, EXIT_BAD_INPUT = 0, 1, 2
 TABLE_WIDTH = 120
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = compose_preset(args.preset, args.overrides, algorithm=args.algorithm)
     out.print(checkpoint_plan(model, lay, cfg).summary(), markup=False)
+    # What every node must be able to import (the run's preflight checks it there before loading any model).
+    out.print(install_line(job_requirements(cfg)), markup=False, soft_wrap=True)
     if violations:
         out.print(f"\nDOES NOT FIT / INVALID: {len(violations)} rule(s) violated", style="bold red")
         for v in violations:

@@ -219,3 +219,42 @@ def test_the_planner_prints_the_checkpoint_cost(capsys):
     )
     assert main(["qwen3_1p7b_h100_1x8", "trainer.save_freq=-1"]) in (0, 1)
     assert "checkpoints: OFF (trainer.save_freq=-1)" in capsys.readouterr().out
+
+
+# --- the GPU stack ---------------------------------------------------------------------------------------------------
+
+MEGATRON_PRESETS = [p for p in PRESET_NAMES if "30b" in p]
+ALLTOALL = "actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type=alltoall"
+
+
+def test_the_megatron_presets_are_the_30b_ones():
+    assert MEGATRON_PRESETS and all(_job("respo", p).model_engine == "megatron" for p in MEGATRON_PRESETS)
+
+
+@pytest.mark.parametrize("preset", MEGATRON_PRESETS)
+def test_every_megatron_preset_builds_through_mbridge(preset):
+    """verl 0.9.1 builds through Megatron-Bridge unless vanilla_mbridge is true: the presets say mbridge, for the actor
+    and the ref, and verl's engine dataclasses keep it."""
+    for entry in ("respo", "verl"):
+        cfg = _job(entry, preset)
+        for role in ("actor", "ref"):
+            mg = cfg.actor_rollout_ref[role].megatron
+            assert mg.use_mbridge is True and mg.vanilla_mbridge is True, (entry, role)
+        with pytest.warns(FutureWarning, match="vanilla_mbridge"):  # verl 0.9.1 marks the mbridge path deprecated
+            engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.megatron)
+        assert engine.use_mbridge and engine.vanilla_mbridge
+    raw = OmegaConf.load(CONF / "respo_verl" / "qwen3_30b_a3b_megatron.yaml")
+    assert raw.actor_rollout_ref.actor.megatron.vanilla_mbridge is True  # set, not left to verl's default (false)
+
+
+@pytest.mark.parametrize("preset", MEGATRON_PRESETS)
+def test_every_megatron_preset_runs_deepep_and_composes_with_alltoall(preset):
+    tf = _job("respo", preset).actor_rollout_ref.actor.megatron.override_transformer_config
+    assert (tf.moe_token_dispatcher_type, tf.moe_flex_dispatcher_backend) == ("flex", "deepep")  # the paper's
+    cfg = compose(["algorithm=respo", f"+cluster={preset}", "+task=dapo_math_overlong", ALLTOALL], entry="respo")
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    for role in ("actor", "ref"):  # the ref follows the actor's override_transformer_config
+        assert cfg.actor_rollout_ref[role].megatron.override_transformer_config.moe_token_dispatcher_type == "alltoall"
+    assert type(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)) is McoreActorConfig
+    violations = plan(preset, [ALLTOALL])[2]  # the planner takes the override as it takes the preset
+    assert {v.rule for v in violations} == set(PRESETS[preset].refused_by), [str(v) for v in violations]

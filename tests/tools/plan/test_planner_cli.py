@@ -103,3 +103,17 @@ def test_console_script_for_every_preset():
         expected = 1 if PRESETS[preset].refused_by else 0
         assert out.returncode == expected, out.stdout + out.stderr
         assert "= training step" in out.stdout and preset in out.stdout
+
+
+def test_plan_prints_what_the_preset_needs_installed(capsys):
+    assert main(["qwen3_30b_a3b_h200_1x8"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("needs installed:")]
+    for piece in ("8 CUDA GPU(s) per node", "vLLM (import vllm)", "megatron-core (import megatron.core)",
+                  "Transformer Engine (import transformer_engine)", "mbridge (import mbridge)",
+                  "DeepEP (import deep_ep)", "flash-attn (import flash_attn or import flash_attn_3)"):  # fmt: skip
+        assert piece in line, line
+    assert main(["qwen3_30b_a3b_h200_1x8", f"{MG}.override_transformer_config.moe_token_dispatcher_type=alltoall"]) == 0
+    assert "deep_ep" not in capsys.readouterr().out
+    assert main(["qwen3_1p7b_h100_1x8"]) == 0
+    out = capsys.readouterr().out
+    assert "needs installed: 8 CUDA GPU(s) per node, vLLM (import vllm), flash-attn (import flash_attn)\n" in out
