@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from respo_verl.cpu.preset import check_cpu_job, is_cpu_job, prepare_driver
 from respo_verl.entry_points import CONFIG_PACKAGE, PRIMARY_CONFIG
 from respo_verl.verl.datacheck import DataCheckError, check_data
-from respo_verl.verl.jobcheck import ModelCheckError, check_job, check_model
+from respo_verl.verl.jobcheck import MachineCheckError, ModelCheckError, check_job, check_machine, check_model
 
 ENTRY = "respo"  # respo_verl.verl.compose.ENTRY_CONFIGS key of this entry point
 
@@ -122,6 +122,7 @@ def run(config: DictConfig) -> None:
     check(config)
     if is_cpu_job(config):
         prepare_driver(config)  # before verl's trainer modules ask for the platform
+    check_machine(config)  # before Ray: a cuda job on a machine without CUDA, with a Ray of its own
     check_model(config)  # before Ray: a model path that is not there, routing replay on a dense model
     check_data(config)  # before Ray: rows verl would otherwise train on silently
     import ray
@@ -181,7 +182,7 @@ def _hydra_main(config: DictConfig) -> None:
         sys.exit(2)
     try:
         run(config)
-    except (DataCheckError, ModelCheckError) as exc:  # raised before Ray starts
+    except (DataCheckError, MachineCheckError, ModelCheckError) as exc:  # raised before Ray starts
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
         sys.exit(2)
 

@@ -7,6 +7,7 @@ nor Hydra, so calling it costs no start-up time beyond the kernel configuration 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
@@ -71,6 +72,32 @@ def check_model(cfg: Any) -> None:
         raise ModelCheckError(
             f"{ROUTER_REPLAY_MODE}={mode} (routing replay) needs an MoE model; {MODEL_PATH}={raw} is dense "
             f"({config_json} has none of {list(EXPERT_COUNT_KEYS)}, model_type {model.get('model_type')!r})"
+        )
+
+
+class MachineCheckError(ValueError):
+    """A job this machine cannot run, in one line (:func:`check_machine`)."""
+
+
+def check_machine(cfg: Any) -> None:
+    """Raise :class:`MachineCheckError` for a ``trainer.device=cuda`` job that starts its own Ray on this machine (no
+    ``ray_kwargs.ray_init.address`` and no ``RAY_ADDRESS``) where torch sees no CUDA device: Ray would wait for GPUs
+    that never come. A job sent to a running cluster is left to the per-node preflight. Run before a run only."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    device = OmegaConf.select(cfg, "trainer.device", default="cuda")
+    address = OmegaConf.select(cfg, "ray_kwargs.ray_init.address", default=None) or os.environ.get("RAY_ADDRESS")
+    if device != "cuda" or address:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise MachineCheckError(
+            f"trainer.device=cuda, but this machine's torch {torch.__version__} ({sys.executable}) sees no CUDA "
+            "device and the job starts its own Ray here: run it on a GPU node, send it to a cluster "
+            "(ray_kwargs.ray_init.address or RAY_ADDRESS), or run on the CPU (+device=cpu)"
         )
 
 

@@ -114,3 +114,29 @@ def test_the_entry_point_refuses_them_in_one_line(tmp_path, overrides, message):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"respo_verl.main_ppo: {message}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_local_cuda_job_on_a_machine_without_cuda_is_refused_before_ray(tmp_path):
+    """Without the CPU preset the job is a cuda job; its model is a local path that exists (the CPU kit's), so that
+    the machine is the only thing wrong. Today's alternative: Ray waits for GPUs, silently."""
+    from respo_verl.cpu.kit.build import KitSpec, build_kit
+
+    kit = build_kit(KitSpec(), progress=False)
+    cmd = [
+        sys.executable, "-m", "respo_verl.main_ppo", "algorithm=respo", f"actor_rollout_ref.model.path={kit.model}",
+        f"data.train_files={kit.train_files}", f"data.val_files={kit.val_files}",
+    ]  # fmt: skip
+    env = {k: v for k, v in __import__("os").environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "respo_verl.main_ppo: trainer.device=cuda, but this machine's torch" in proc.stderr, proc.stderr[-3000:]
+    assert "sees no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+    # Sent to a cluster instead, the check is left to the per-node preflight.
+    from omegaconf import OmegaConf
+
+    from respo_verl.verl.jobcheck import check_machine
+
+    cluster = {"trainer": {"device": "cuda"}, "ray_kwargs": {"ray_init": {"address": "10.0.0.1"}}}
+    check_machine(OmegaConf.create(cluster))
+    check_machine(OmegaConf.create({"trainer": {"device": "cpu"}}))
