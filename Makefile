@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup lint test bench demo demo-mini demo-moe clean
+.PHONY: setup lint test bench demo demo-quick demo-mini demo-moe clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,15 @@ test: lint
 bench: setup
 	$(PY) scripts/bench/losses.py
 
-# The main job on a CPU machine: verl's own trainer with ReSPO and rollout reuse N = 4 (python -m respo_verl.main_ppo
-# algorithm=respo +device=cpu), one line per step, then `respo-verl report` of the run (README, docs/cpu.md).
+# The problem ReSPO solves, in verl's own trainer on this CPU: the chain task's long correct answers at rollout reuse
+# N = 16, ReSPO then VESPO (python -m respo_verl.main_ppo algorithm=<a> +device=cpu +task=cpu_chain), one line per
+# step and method, the report of both and the figure of the φ their stale positives received (docs/cpu.md).
 demo: setup
 	$(VENV)/bin/respo-verl demo
+
+# The 8-step smoke run: ReSPO on the addition task, N = 4.
+demo-quick: setup
+	$(VENV)/bin/respo-verl demo --quick
 
 # The paper's experiment in miniature, in-process on CPU (docs/mini.md).
 demo-mini: setup

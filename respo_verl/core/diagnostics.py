@@ -17,7 +17,17 @@ from respo_verl.core.losses import KernelTerms
 STARVATION_LOG_W = -1.0
 LOG_W_QUANTILES = (0.1, 0.5, 0.9)
 BRANCH_STATS = ("frac", "log_w_mean", "log_w_p10", "log_w_p50", "log_w_p90", "phi_mean", "phi_min", "phi_max", "ess")
-GLOBAL_STATS = ("clamp_frac", "zero_adv_frac", "starved_frac", "starved_mass_share")
+GLOBAL_STATS = (
+    "clamp_frac",
+    "zero_adv_frac",
+    "starved_frac",
+    "starved_mass_share",
+    # Counts and sums per micro-batch: verl averages every metric over a step's micro-batches, so ratios of these
+    # averages are exact ratios over the step (a ratio per micro-batch, averaged, would not be).
+    "pos_count",
+    "starved_count",
+    "starved_phi_sum",
+)
 
 
 def diagnostic_keys() -> list[str]:
@@ -80,7 +90,9 @@ def kernel_diagnostics(terms: KernelTerms) -> torch.Tensor:
 
     The starvation share: among valid positive sequences with log W < −1 (``STARVATION_LOG_W``), their share of the
     valid responses (``starved_frac``) and their share of the total gradient-coefficient mass
-    Σ φ_i·|A_i|·n_tokens_i (``starved_mass_share``; token-mean weighting).
+    Σ φ_i·|A_i|·n_tokens_i (``starved_mass_share``; token-mean weighting). ``pos_count``, ``starved_count`` and
+    ``starved_phi_sum`` (the φ those starved positives get, summed) are counts, for ratios over a step: the share of
+    positives that starve is ``starved_count / pos_count``, their mean φ ``starved_phi_sum / starved_count``.
 
     Returns:
         (len(diagnostic_keys()),) detached tensor in the dtype of ``terms.log_w_seq``.
@@ -102,5 +114,8 @@ def kernel_diagnostics(terms: KernelTerms) -> torch.Tensor:
             _safe_div(zero_adv.sum().to(dtype), n_valid),
             _safe_div(starved.sum().to(dtype), n_valid),
             _safe_div(torch.where(starved, mass_seq, torch.zeros_like(mass_seq)).sum(), mass_seq.sum()),
+            pos.sum().to(dtype),
+            starved.sum().to(dtype),
+            torch.where(starved, terms.phi_seq, torch.zeros_like(terms.phi_seq)).sum(),
         ]
         return torch.stack(stats)

@@ -168,9 +168,9 @@ def prepare_driver(cfg: Any) -> None:
     enable()
     variant = kit_variant(cfg)
     if variant is not None:
-        from respo_verl.cpu.kit.build import KitSpec, build_kit
+        from respo_verl.cpu.kit.build import build_kit, spec_of
 
-        build_kit(KitSpec(moe=variant.name == "moe"), root=variant.parent)
+        build_kit(spec_of(variant.name), root=variant.parent)
     forward_file_logger_env(cfg)
 
 

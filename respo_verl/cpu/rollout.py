@@ -31,6 +31,11 @@ the training step and the request id (:func:`request_generator`), so the order i
 reach the server no longer matters: two runs with one seed sample the same responses, and a resumed run samples what
 the uninterrupted one did. Otherwise the server's one generator, seeded at start-up, serves requests as they come.
 
+With ``actor_rollout_ref.rollout.custom.stop_rule=<module>:<function>`` (verl's extension point for custom rollout
+settings), the server ends a response right after the first token for which ``function(position, token_id)`` is true
+(the token is kept; ``position`` counts response tokens from 0), as an agent loop ends an episode at an invalid action:
+for example :func:`respo_verl.cpu.kit.chain.ends_answer`, the chain task's grammar.
+
 Not exercised by this rollout: vLLM/SGLang scheduling, prefix caching, CUDA-IPC weight transfer, multi-modal inputs.
 """
 
@@ -57,6 +62,31 @@ logger = logging.getLogger(__name__)
 
 def _server_name(replica_rank: int, node_rank: int = 0) -> str:
     return f"{ROLLOUT_NAME}_server_{replica_rank}_{node_rank}"
+
+
+STOP_RULE_KEY = "stop_rule"
+
+
+def load_stop_rule(config) -> Any:
+    """The callable named by ``config.custom.stop_rule`` (``module:function``), or None when none is set."""
+    import importlib
+
+    custom = getattr(config, "custom", None) or {}
+    name = custom.get(STOP_RULE_KEY) if hasattr(custom, "get") else None
+    if not name:
+        return None
+    module, _, function = str(name).partition(":")
+    try:
+        rule = getattr(importlib.import_module(module), function) if function else None
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.custom.{STOP_RULE_KEY}={name!r}: cannot load it ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not callable(rule):
+        raise ValueError(
+            f"actor_rollout_ref.rollout.custom.{STOP_RULE_KEY}={name!r} must name a function as module:function"
+        )
+    return rule
 
 
 def request_generator(seed: int, global_steps: int | None, request_id: str) -> torch.Generator:
@@ -119,6 +149,7 @@ class CPURolloutServer:
         self.seed = int(getattr(config, "seed", 0))
         self.generator = torch.Generator().manual_seed(self.seed + replica_rank)
         self.deterministic = bool(getattr(config, "full_determinism", False))
+        self.stop_rule = load_stop_rule(config)
         self.routing = None
         if bool(getattr(config, "enable_rollout_routing_replay", False)):
             from respo_verl.routing.hf import RoutingReplay
@@ -164,6 +195,8 @@ class CPURolloutServer:
             tokens.append(token)
             log_probs.append(log_prob)
             if token in self.eos_token_ids and not ignore_eos:
+                break
+            if self.stop_rule is not None and self.stop_rule(len(tokens) - 1, token):
                 break
             input_ids = torch.tensor([[token]], dtype=torch.long)  # (1, 1)
         # (P + len(tokens) - 1, L, K): the last sampled token was never fed to the model.

@@ -7,6 +7,8 @@ gradient does not depend on micro-batching or the data-parallel size. Entropy an
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
@@ -17,6 +19,10 @@ from respo_verl.core.config import ReSPOConfig, VESPOConfig
 from respo_verl.core.losses import KernelTerms
 
 METRIC_PREFIX = {"respo": "actor/respo/", "vespo": "actor/vespo/"}
+# When set (in the workers' environment, e.g. through Ray's runtime env), every call appends its sequences' log W, φ,
+# advantage and token count to this JSON-lines file (suffixed with the process's RANK): the demo's figure of the φ
+# each stale positive received. One extra host copy per call; off by default.
+TRACE_ENV = "RESPO_VERL_KERNEL_TRACE"
 
 
 def _kernel_config(config: Any, loss_name: str) -> ReSPOConfig | VESPOConfig:
@@ -55,8 +61,28 @@ def _finish(
     # The one host synchronisation of the call: the non-finite check and every metric in one transfer.
     values = torch.cat([terms.nonfinite_counts.to(diagnostics.dtype), n_valid_tok, diagnostics]).tolist()
     raise_on_nonfinite(values[:3], values[3], loss_name)
+    if os.environ.get(TRACE_ENV):
+        _trace(os.environ[TRACE_ENV], loss_name, terms)
     prefix = METRIC_PREFIX[loss_name]
     return pg_loss, {prefix + key: value for key, value in zip(diagnostic_keys(), values[4:], strict=True)}
+
+
+def _trace(path: str, loss_name: str, terms: KernelTerms) -> None:
+    valid = terms.n_tok_seq > 0
+    row = {
+        "loss": loss_name,
+        **{
+            key: tensor[valid].tolist()
+            for key, tensor in (
+                ("log_w", terms.log_w_seq),
+                ("phi", terms.phi_seq),
+                ("adv", terms.adv_seq),
+                ("n_tok", terms.n_tok_seq),
+            )
+        },
+    }
+    with open(f"{path}.rank{os.environ.get('RANK', '0')}", "a") as out:
+        out.write(json.dumps(row) + "\n")
 
 
 @register_policy_loss("respo")

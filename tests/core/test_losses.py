@@ -182,6 +182,9 @@ def test_diagnostics_on_a_hand_built_batch():
     mass = [phi_p[0] * 4, phi_p[1] * 2, phi_n * 3, 0.0]
     assert diag["starved_frac"] == approx(1 / 4)
     assert diag["starved_mass_share"] == approx(mass[0] / sum(mass))
+    # Counts for ratios over a step: 2 valid positives (the fifth response is empty), 1 starved, and its φ.
+    assert diag["pos_count"] == 2 and diag["starved_count"] == 1
+    assert diag["starved_phi_sum"] == approx(phi_p[0])
 
 
 def test_empty_batch_and_zero_advantages_give_finite_zero_metrics():

@@ -1,8 +1,9 @@
 """Build the CPU kit: tokenizer, tiny Qwen3 (or Qwen3-MoE) with a supervised warm start, and verl RLHF parquet files.
 
 The kit is deterministic for a given :class:`KitSpec` (torch runs the warm start on one thread with a fixed seed) and
-cached, so that every run and test reuses one build. ``<variant>`` is ``dense`` or ``moe``; the ``device=cpu``
-preset points verl at ``<root>/dense``:
+cached, so that every run and test reuses one build. ``<variant>`` is ``dense`` or ``moe`` (the addition task,
+``task.py``) or ``chain`` (the regime task of the demo, ``chain.py``, :data:`CHAIN`); the ``device=cpu`` preset
+points verl at ``<root>/dense``, ``+task=cpu_chain`` at ``<root>/chain``:
 
     <root>/<variant>/model/        save_pretrained (config, weights, generation config, tokenizer files)
     <root>/<variant>/train.parquet verl RLHF format: data_source, prompt (chat messages), ability, reward_model, ...
@@ -27,14 +28,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from respo_verl.cpu.kit import task
+from respo_verl.cpu.kit import chain, task
 from respo_verl.cpu.kit.model import CACHE_ROOT, build_tiny_qwen3
 
 KIT_ENV = "RESPO_VERL_CPU_KIT"
 DEFAULT_ROOT = CACHE_ROOT / "cpu_kit"
 # Bumped whenever the task, the tokenizer or the warm-start recipe changes, so that a stale cached kit is not reused.
-KIT_VERSION = 1
+KIT_VERSION = 2
 KIT_FILE = "kit.json"
+TASKS = {"addition": task, "chain": chain}
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,12 @@ class KitSpec:
         warm_start_steps, warm_start_batch, warm_start_lr: the supervised warm start on correct responses; short
             enough that the model is right only part of the time, so that RL has both signs of advantage.
         seed: initialisation, data and warm-start seed.
+        task: ``addition`` (``task.py``) or ``chain`` (``chain.py``, dense only).
+        complete_share: chain task only: the share of complete chains in the warm start's data (the rest break
+            off), which sets the base model's success rate.
     """
 
+    task: str = "addition"
     moe: bool = False
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -69,9 +75,18 @@ class KitSpec:
     warm_start_batch: int = 64
     warm_start_lr: float = 3e-3
     seed: int = 0
+    complete_share: float = 0.0
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"KitSpec.task must be one of {sorted(TASKS)}, got {self.task!r}")
+        if self.task == "chain" and self.moe:
+            raise ValueError("the chain task's kit is dense only (KitSpec(task='chain', moe=False))")
 
     @property
     def variant(self) -> str:
+        if self.task == "chain":
+            return "chain"
         return "moe" if self.moe else "dense"
 
     def key(self) -> str:
@@ -101,11 +116,30 @@ class Kit:
         return json.loads((self.root / KIT_FILE).read_text())
 
 
+# The demo's regime task: long answers (the chain task's 51 tokens) from a base model right about a third of the time.
+CHAIN = KitSpec(task="chain", warm_start_steps=400, complete_share=0.4, train_prompts=1024)
+
+
+def spec_of(variant: str) -> KitSpec:
+    """The spec whose kit lives in the folder ``variant`` (``dense``, ``moe`` or ``chain``)."""
+    specs = {"dense": KitSpec(), "moe": KitSpec(moe=True), "chain": CHAIN}
+    if variant not in specs:
+        raise ValueError(f"no CPU kit variant {variant!r}: one of {sorted(specs)}")
+    return specs[variant]
+
+
 def kit_root() -> Path:
     return Path(os.environ.get(KIT_ENV) or DEFAULT_ROOT).expanduser()
 
 
-def build_tokenizer():
+def build_tokenizer(spec: KitSpec | None = None):
+    """The tokenizer of ``spec``'s task (the addition task's by default)."""
+    if spec is not None and spec.task == "chain":
+        return chain.build_tokenizer()
+    return _addition_tokenizer()
+
+
+def _addition_tokenizer():
     """A one-token-per-character tokenizer (``tokenizers`` WordLevel) with a chat template, as a fast HF tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -136,7 +170,7 @@ def build_model(spec: KitSpec, tokenizer):
         vocab_size=len(tokenizer),
         seed=spec.seed,
         moe_config=dict(mlp_only_layers=[], router_aux_loss_coef=0.0),
-        max_position_embeddings=64,
+        max_position_embeddings=128 if spec.task == "chain" else 64,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -146,17 +180,19 @@ def build_model(spec: KitSpec, tokenizer):
     )
 
 
-def _encode_examples(tokenizer, examples: list[task.Problem]):
-    """Token ids of prompt + correct response, and a mask selecting the response tokens (the SFT targets)."""
+def _encode_examples(tokenizer, examples: list[tuple[str, str, bool]]):
+    """Token ids of prompt + response (+ end of sequence where the example has it), and a mask selecting the
+    response tokens (the SFT targets)."""
     import torch
 
     rows, masks = [], []
-    for problem in examples:
+    for prompt_text, response_text, ends_with_eos in examples:
         prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": problem.prompt}], add_generation_prompt=True, tokenize=True
+            [{"role": "user", "content": prompt_text}], add_generation_prompt=True, tokenize=True
         )
         prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-        response = tokenizer(problem.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        response = tokenizer(response_text, add_special_tokens=False)["input_ids"]
+        response += [tokenizer.eos_token_id] if ends_with_eos else []
         rows.append(prompt + response)
         masks.append([0] * len(prompt) + [1] * len(response))
     width = max(len(r) for r in rows)
@@ -168,14 +204,21 @@ def _encode_examples(tokenizer, examples: list[task.Problem]):
     return ids, target
 
 
+def _warm_start_examples(spec: KitSpec) -> list[tuple[str, str, bool]]:
+    if spec.task == "chain":
+        return chain.warm_start_pairs(4096, seed=spec.seed + 1, complete_share=spec.complete_share)
+    return [(p.prompt, p.response, True) for p in task.problems(8192, seed=spec.seed + 1)]
+
+
 def warm_start(model, tokenizer, spec: KitSpec, progress: bool = True) -> None:
-    """Supervised fine-tuning on correct responses for ``spec.warm_start_steps`` AdamW steps."""
+    """Supervised fine-tuning for ``spec.warm_start_steps`` AdamW steps: on correct responses (addition), on complete
+    chains and chains that break off (chain)."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
 
     generator = torch.Generator().manual_seed(spec.seed)
-    pool = task.problems(8192, seed=spec.seed + 1)
+    pool = _warm_start_examples(spec)
     ids, target = _encode_examples(tokenizer, pool)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr)
     model.train()
@@ -192,7 +235,7 @@ def warm_start(model, tokenizer, spec: KitSpec, progress: bool = True) -> None:
     model.eval()
 
 
-def sampled_accuracy(model, tokenizer, examples: list[task.Problem], seed: int) -> float:
+def sampled_accuracy(model, tokenizer, examples: list, seed: int, task_module=task) -> float:
     """Share of ``examples`` answered correctly by one sample at temperature 1 (as the rollout samples)."""
     import torch
 
@@ -213,21 +256,21 @@ def sampled_accuracy(model, tokenizer, examples: list[task.Problem], seed: int) 
             temperature=1.0,
             top_p=1.0,
             top_k=0,
-            max_new_tokens=task.MAX_RESPONSE_TOKENS,
+            max_new_tokens=task_module.MAX_RESPONSE_TOKENS,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
         text = tokenizer.decode(out[0, prompt_ids.shape[1] :], skip_special_tokens=True)
-        correct += task.score(text, problem.answer) > 0
+        correct += task_module.score(text, problem.answer) > 0
     return correct / len(examples)
 
 
-def _write_parquet(path: Path, examples: list[task.Problem], split: str) -> None:
+def _write_parquet(path: Path, examples: list, split: str, task_module=task) -> None:
     import pandas as pd
 
     rows = [
         {
-            "data_source": task.DATA_SOURCE,
+            "data_source": task_module.DATA_SOURCE,
             "prompt": [{"role": "user", "content": p.prompt}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": p.answer},
@@ -250,12 +293,13 @@ def build_kit(spec: KitSpec = KitSpec(), root: Path | None = None, progress: boo
     started = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: the same bits on any machine with this torch build
+    task_module = TASKS[spec.task]
     try:
-        tokenizer = build_tokenizer()
+        tokenizer = build_tokenizer(spec)
         model = build_model(spec, tokenizer)
         warm_start(model, tokenizer, spec, progress=progress)
-        val = task.problems(spec.val_prompts, seed=spec.seed + 3)
-        accuracy = sampled_accuracy(model, tokenizer, val, seed=spec.seed)
+        val = task_module.problems(spec.val_prompts, seed=spec.seed + 3)
+        accuracy = sampled_accuracy(model, tokenizer, val, seed=spec.seed, task_module=task_module)
     finally:
         torch.set_num_threads(threads)
     # Build in a scratch folder next to the target and rename: a crash never leaves a half-built kit behind.
@@ -263,8 +307,9 @@ def build_kit(spec: KitSpec = KitSpec(), root: Path | None = None, progress: boo
     try:
         model.save_pretrained(scratch / "model")
         tokenizer.save_pretrained(scratch / "model")
-        _write_parquet(scratch / "train.parquet", task.problems(spec.train_prompts, seed=spec.seed + 2), "train")
-        _write_parquet(scratch / "val.parquet", val, "val")
+        train = task_module.problems(spec.train_prompts, seed=spec.seed + 2)
+        _write_parquet(scratch / "train.parquet", train, "train", task_module)
+        _write_parquet(scratch / "val.parquet", val, "val", task_module)
         info = {
             "key": spec.key(),
             "version": KIT_VERSION,
@@ -291,10 +336,11 @@ def build_kit(spec: KitSpec = KitSpec(), root: Path | None = None, progress: boo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m respo_verl.cpu.kit", description="Build (or find) the CPU kit.")
     parser.add_argument("--moe", action="store_true", help="the Qwen3-MoE variant")
+    parser.add_argument("--chain", action="store_true", help="the chain task of the demo (dense)")
     parser.add_argument("--root", type=Path, default=None, help=f"kit folder (default ${KIT_ENV} or {DEFAULT_ROOT})")
     args = parser.parse_args(argv)
     try:
-        kit = build_kit(KitSpec(moe=args.moe), root=args.root)
+        kit = build_kit(CHAIN if args.chain else KitSpec(moe=args.moe), root=args.root)
     except OSError as exc:
         print(f"cpu kit: cannot write the kit: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""verl custom reward function of the kit's task.
+"""verl custom reward function of the kit's tasks (addition and the chain).
 
 Selected by the ``+device=cpu`` preset as ``reward.custom_reward_function.path=pkg://respo_verl.cpu.kit.reward`` and
 ``name=compute_score``; verl calls it once per response with the keywords below.
@@ -8,19 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from respo_verl.cpu.kit.task import DATA_SOURCE, score
+from respo_verl.cpu.kit import chain, task
+
+SCORERS = {task.DATA_SOURCE: task.score, chain.DATA_SOURCE: chain.score}
 
 
 def compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None, **kwargs: Any
 ) -> float:
-    """+1.0 for the right ``#### <sum>`` answer, -1.0 otherwise.
+    """+1.0 for the right answer of the sample's task (``#### <sum>``, or the complete chain), -1.0 otherwise.
 
     Raises:
-        ValueError: a sample from another data source (the kit's reward knows only its own task).
+        ValueError: a sample from another data source (the kit's reward knows only its own tasks).
     """
-    if data_source != DATA_SOURCE:
+    if data_source not in SCORERS:
         raise ValueError(
-            f"respo_verl.cpu.kit.reward scores only {DATA_SOURCE!r} samples, got data_source={data_source!r}"
+            f"respo_verl.cpu.kit.reward scores only {sorted(SCORERS)} samples, got data_source={data_source!r}"
         )
-    return score(solution_str, ground_truth)
+    return SCORERS[data_source](solution_str, ground_truth)
