@@ -20,6 +20,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from respo_verl import algorithms
 from respo_verl.cpu.preset import check_cpu_job, is_cpu_job, prepare_driver
 from respo_verl.entry_points import CONFIG_PACKAGE, PRIMARY_CONFIG
 from respo_verl.verl.datacheck import DataCheckError, check_data
@@ -147,25 +148,35 @@ def run(config: DictConfig) -> None:
             ray.shutdown()
 
 
-def _check_printed_job(argv: list[str]) -> None:
-    """Under ``--cfg``/``-c``, run :func:`check` on the job Hydra is about to print; exit 2 with one line if it fails.
-
-    Hydra prints the job without calling the task function, so the checks run here, on the same composition.
-    """
+def _precheck(argv: list[str]) -> None:
+    """Before Hydra runs: compose the job once and exit 2 with one line for an option of a config group that does not
+    exist (``algorithm=respoo``, ``+cluster=...``, ``routing=r4``); under ``--cfg``/``-c``, also run :func:`check` on
+    the job Hydra is about to print (Hydra prints it without calling the task function)."""
     from hydra._internal.utils import get_args_parser
 
     try:
         args = get_args_parser().parse_args(argv)
     except SystemExit:
         return  # Hydra reports its own usage errors
-    if not args.cfg:
-        return
+    from hydra.errors import MissingConfigException
+
     from respo_verl.verl.compose import ComposeError, compose_job
 
     try:
         config = compose_job(ENTRY, args.overrides)
-    except ComposeError:
-        return  # Hydra reports the same composition error itself
+    except ComposeError as exc:
+        missing = exc.hydra_error if isinstance(exc.hydra_error, MissingConfigException) else None
+        if missing is None or not getattr(missing, "missing_cfg_file", None):
+            return  # Hydra reports the same composition error itself
+        group, _, option = missing.missing_cfg_file.rpartition("/")
+        options = list(algorithms.ALGORITHMS) if group == "algorithm" else list(missing.options or [])
+        print(
+            f"respo_verl.main_ppo: {group}={option}: no such option of {group} (one of {', '.join(options)})",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    if not args.cfg:
+        return
     try:
         check(config)
     except ValueError as exc:
@@ -188,7 +199,7 @@ def _hydra_main(config: DictConfig) -> None:
 
 
 def main() -> None:
-    _check_printed_job(sys.argv[1:])
+    _precheck(sys.argv[1:])
     _hydra_main()
 
 

@@ -140,3 +140,23 @@ def test_a_local_cuda_job_on_a_machine_without_cuda_is_refused_before_ray(tmp_pa
     cluster = {"trainer": {"device": "cuda"}, "ray_kwargs": {"ray_init": {"address": "10.0.0.1"}}}
     check_machine(OmegaConf.create(cluster))
     check_machine(OmegaConf.create({"trainer": {"device": "cpu"}}))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm=respoo", "algorithm=respoo: no such option of algorithm (one of respo, vespo, grpo, gspo)"),
+        ("+cluster=qwen3_30b", "cluster=qwen3_30b: no such option of cluster (one of qwen3_1p7b_h100_1x8, "),
+        ("routing=r4", "routing=r4: no such option of routing (one of off, r2, r3)"),
+    ],
+)
+def test_a_typo_in_a_config_group_is_one_line_exit_2(tmp_path, override, message):
+    """Hydra's own report is 14-19 lines and lists verl's rollout_correction among the algorithms."""
+    overrides = [override] if override.startswith("algorithm=") else ["algorithm=respo", override]
+    for extra in ([], ["--cfg", "job"]):
+        cmd = [sys.executable, "-m", "respo_verl.main_ppo", *overrides, *extra]
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("respo_verl.main_ppo:")]
+        assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+        assert "rollout_correction" not in proc.stderr and "Traceback" not in proc.stderr
