@@ -24,9 +24,13 @@ LENGTH_KEY = "response_length/mean"
 CONFIG_SENSITIVE_KEYS = ("actor/lr",)
 VAL_PATTERN = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
 STARVED_MASS_PATTERN = re.compile(r"^actor/(?P<loss>[^/]+)/starved_mass_share$")
+# Run names without a manifest: the sweep's ``<model>-respo-n32-s0``, ``respo_n32_seed0``, and the miniature's
+# ``respo_n32_lr4e-04_w0_seed0`` (experiments/mini/train.py, RunConfig.name: learning rate and warm-start seed).
 NAME_PATTERN = re.compile(
-    rf"(?P<algorithm>{'|'.join(algorithms.ALGORITHMS)})[-_]n(?P<reuse>\d+)[-_]s(?:eed)?(?P<seed>\d+)"
+    rf"(?P<algorithm>{'|'.join(algorithms.ALGORITHMS)})[-_]n(?P<reuse>\d+)"
+    r"(?:[-_]lr(?P<lr>\d+(?:\.\d+)?(?:e[-+]?\d+)?))?(?:[-_]w(?P<warm_seed>\d+))?[-_]s(?:eed)?(?P<seed>\d+)"
 )
+NAME_EXAMPLES = ("respo-n32-s0", "respo_n32_seed0", "respo_n32_lr4e-04_w0_seed0")
 CONFIDENCE = 0.95
 
 
@@ -49,6 +53,8 @@ class RunSummary:
     val: dict[str, float]
     complete: bool | None
     notes: list[str] = field(default_factory=list)
+    lr: float | None = None  # from the file name, when it says (the miniature's names)
+    warm_seed: int | None = None
 
     @property
     def starved_mass(self) -> float | None:
@@ -71,17 +77,45 @@ class GroupSummary:
     delta_ci: tuple[float, float] | None = None
 
 
-def identify(run: RunLog, record: RunRecord | None) -> tuple[str, int, int]:
-    """(algorithm, N, seed) from the manifest record, else from the log's file name."""
-    if record is not None:
-        return record.algorithm, record.reuse, record.seed
-    match = NAME_PATTERN.search(run.path.stem)
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a run is: from its manifest record, else from its log's file name (:data:`NAME_PATTERN`).
+
+    ``lr`` and ``warm_seed`` are known only from a name that carries them (the miniature's).
+    """
+
+    algorithm: str
+    reuse: int
+    seed: int
+    lr: float | None = None
+    warm_seed: int | None = None
+
+
+def parse_run_name(stem: str) -> RunIdentity | None:
+    """The run a log file name (without ``.jsonl``) describes, or None when it does not say (:data:`NAME_PATTERN`)."""
+    match = NAME_PATTERN.search(stem)
     if match is None:
+        return None
+    return RunIdentity(
+        algorithm=match["algorithm"],
+        reuse=int(match["reuse"]),
+        seed=int(match["seed"]),
+        lr=None if match["lr"] is None else float(match["lr"]),
+        warm_seed=None if match["warm_seed"] is None else int(match["warm_seed"]),
+    )
+
+
+def identify(run: RunLog, record: RunRecord | None) -> RunIdentity:
+    """The run's identity from the manifest record, else from the log's file name."""
+    if record is not None:
+        return RunIdentity(record.algorithm, record.reuse, record.seed)
+    identity = parse_run_name(run.path.stem)
+    if identity is None:
         raise ValueError(
             f"{run.path}: no manifest entry and the file name does not say the run's algorithm, N and seed "
-            f"(expected a name containing e.g. 'respo-n32-s0')"
+            f"(expected a name containing e.g. {' or '.join(repr(n) for n in NAME_EXAMPLES)})"
         )
-    return match["algorithm"], int(match["reuse"]), int(match["seed"])
+    return identity
 
 
 def _last(series: dict[int, float]) -> float | None:
@@ -99,7 +133,8 @@ def summarise_run(
             ``reward_range``.
         KeyError: ``score_key`` is not in the log.
     """
-    algorithm, reuse, seed = identify(run, record)
+    identity = identify(run, record)
+    algorithm, reuse, seed = identity.algorithm, identity.reuse, identity.seed
     unit = log_step(run, record.log_step if record is not None else None)
     logged = logged_reuse(run)
     if logged is not None and logged != reuse:
@@ -139,6 +174,8 @@ def summarise_run(
         val=val,
         complete=complete,
         notes=notes,
+        lr=identity.lr,
+        warm_seed=identity.warm_seed,
     )
 
 
@@ -160,6 +197,9 @@ def check_group_consistency(runs: list[RunSummary], logs: dict[str, RunLog]) -> 
             values = {name: s[step] for name, s in first_values.items()}
             if len(set(values.values())) > 1:
                 problems.append(f"{key} differs at step {step}: {values}")
+    named_lrs = {r.name: r.lr for r in runs if r.lr is not None}
+    if len(set(named_lrs.values())) > 1:
+        problems.append(f"learning rates differ (file names): {named_lrs}")
     seeds = [r.seed for r in runs]
     if len(seeds) != len(set(seeds)):
         problems.append(f"seeds repeat within the group: {sorted(seeds)}")

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from respo_verl.tools.report.analysis import RunSummary, summarise_groups, summarise_run
+from respo_verl.tools.report.analysis import NAME_EXAMPLES, RunSummary, summarise_groups, summarise_run
 from respo_verl.tools.report.render import markdown_report, plot_scores, plot_starved_mass
 from respo_verl.tools.runs.logs import LogError, RunLog, read_log
 from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, read_manifest
@@ -118,6 +118,12 @@ def build_report(
             raise ReportError(f"two logs for run {summary.name!r}: {logs_by_run[summary.name].path} and {log.path}")
         runs.append(summary)
         logs_by_run[summary.name] = log
+    if not runs:
+        raise ReportError(
+            f"no run identified in {', '.join(map(str, paths))}: read {len(logs)} log(s) and {len(manifests)} "
+            f"manifest(s); a run is a log with {score_key} values that a {MANIFEST_NAME} lists or whose file name says "
+            f"its algorithm, N and seed ({', '.join(NAME_EXAMPLES)})"
+        )
     seen = {log.path.resolve() for log in logs}
     skipped += [f"{r.name}: in the manifest but no log at {p}" for p, r in records.items() if p not in seen]
     groups, refused = summarise_groups(runs, logs_by_run)

@@ -79,6 +79,24 @@ def detail_table(groups: list[GroupSummary]) -> str:
     return "\n".join(lines)
 
 
+def _baseline_legend(groups: list[GroupSummary], runs: list[RunSummary]) -> str:
+    """The legend's sentence on the difference to the baseline: said only where a baseline group exists."""
+    base = _display(algorithms.BASELINE)
+    with_base = sorted({g.reuse for g in groups if g.algorithm == algorithms.BASELINE})
+    if not with_base:
+        if any(r.algorithm == algorithms.BASELINE for r in runs):
+            return f'{base}\'s runs were not averaged (see "What was not used"), so no difference to {base} is shown.'
+        return f"no {base} run was found, so no difference to {base} is shown."
+    text = (
+        f"second line: difference to {base} at the same N in percentage points with a {int(CONFIDENCE * 100)}% "
+        "Welch t interval"
+    )
+    without = sorted({g.reuse for g in groups} - set(with_base))
+    if without:
+        text += f" (no {base} group at N = {', '.join(map(str, without))}: no difference there)"
+    return text + "."
+
+
 def markdown_report(
     groups: list[GroupSummary],
     runs: list[RunSummary],
@@ -86,13 +104,18 @@ def markdown_report(
     skipped: list[str],
     reward_range: str = "pm1",
 ) -> str:
+    """The report's markdown.
+
+    The runs of ``groups`` are the runs used; their notes (a short or incomplete run, a gap) are caveats on numbers
+    that are in the tables, listed as such. "What was not used" lists only what is not in the tables: the refused
+    groups (with their runs' notes), the logs left out, and the skipped lines and values.
+    """
     score = "(reward + 1) / 2" if reward_range == "pm1" else "the score"
     parts = [
         "## Late training score (%)",
         "",
         f"Mean of {score} over the last {LATE_WINDOW} optimizer updates of each run; mean ± std over seeds "
-        f"(n = seeds); second line: difference to {_display(algorithms.BASELINE)} at the same N in percentage points "
-        f"with a {int(CONFIDENCE * 100)}% Welch t interval.",
+        f"(n = seeds); {_baseline_legend(groups, runs)}",
         "",
         late_score_table(groups) if groups else "(no group to report)",
         "",
@@ -105,11 +128,15 @@ def markdown_report(
         "",
         detail_table(groups) if groups else "(none)",
     ]
-    notes = [f"- {r.name}: {n}" for r in runs for n in r.notes]
-    if refused or notes or skipped:
+    used = {r.name for g in groups for r in g.runs}
+    used_notes = [f"- {r.name}: {n}" for r in runs if r.name in used for n in r.notes]
+    unused_notes = [f"- {r.name}: {n}" for r in runs if r.name not in used for n in r.notes]
+    if used_notes:
+        parts += ["", "## Notes on the runs used", "", *used_notes]
+    if refused or unused_notes or skipped:
         parts += ["", "## What was not used", ""]
         parts += [f"- {line}" for line in refused]
-        parts += notes
+        parts += unused_notes
         if skipped:
             parts.append(f"- {len(skipped)} log lines or values skipped, e.g.:")
             parts += [f"  - {s}" for s in skipped[:10]]
@@ -180,11 +207,25 @@ def _draw(ax, bands: dict[tuple[str, int], Band], scale: float) -> None:
     ax.legend(fontsize=8)
 
 
+# The y-axis top of a plot whose curves are 0 throughout (%): matplotlib would centre them on ±0.055.
+ZERO_PLOT_TOP = 1.0
+
+
+def _start_at_zero(axes) -> None:
+    """Start the y-axis of ``axes`` (one figure's, possibly shared) at 0: both plotted quantities are shares in
+    [0, 100] %, and a curve that is 0 throughout would otherwise get a symmetric, partly negative axis. Called after
+    every panel is drawn, so that shared axes keep the top that fits all of them."""
+    highest = max(ax.dataLim.ymax for ax in axes)
+    for ax in axes:
+        ax.set_ylim(0.0, ax.get_ylim()[1] if highest > 0 else ZERO_PLOT_TOP)
+
+
 def score_figure(groups: list[GroupSummary], reuse: int):
     """Score (%) against optimizer update for the groups at one N: mean over seeds per algorithm, ± 1 std band."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     _draw(ax, {k: b for k, b in score_bands(groups).items() if k[1] == reuse}, 100.0)
+    _start_at_zero([ax])
     ax.set_ylabel("training score % (reward + 1) / 2")
     ax.set_title(f"N = {reuse}: mean over seeds, band ± 1 std")
     fig.tight_layout()
@@ -216,6 +257,7 @@ def starved_mass_figure(groups: list[GroupSummary]):
     for ax, reuse in zip(axes[0], reuses):
         _draw(ax, {k: b for k, b in bands.items() if k[1] == reuse}, 100.0)
         ax.set_title(f"N = {reuse}")
+    _start_at_zero(axes[0])
     axes[0][0].set_ylabel("starved positives' share of\ncoefficient mass (%)")
     fig.suptitle("positive responses with log W < −1: mean over seeds, band ± 1 std", fontsize=10)
     fig.tight_layout()

@@ -17,7 +17,7 @@ from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_R
 from respo_verl.tools.runs.manifest import write_manifest
 from respo_verl.tools.runs.options import reuse_list, seed_list, split_overrides
 from respo_verl.tools.sweep.grid import ROUTING_MODES, SweepSpec, expand
-from respo_verl.tools.sweep.runner import Status, is_complete, run_locally, shell_line, submit_to_ray
+from respo_verl.tools.sweep.runner import ClusterError, Status, is_complete, run_locally, shell_line, submit_to_ray
 
 USAGE_ERROR = 2
 
@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         help="print one shell line per run (for a scheduler) and write the manifest; run nothing",
     )
     mode.add_argument("--ray", metavar="ADDRESS", help="submit the runs as Ray jobs to this dashboard address")
-    p.add_argument("--no-compose", action="store_true", help="skip composing and checking each run (no config hash)")
+    p.add_argument("--no-compose", action="store_true", help="skip composing and checking each run (no config hash; "
+                   "the engine's seed key is then set only from a model_engine= override)")  # fmt: skip
     return p
 
 
@@ -108,7 +109,10 @@ def main(argv: list[str]) -> int:
             print(prefix + shell_line(record))
         print(f"# {len(records)} runs; manifest: {manifest}", file=sys.stderr)
         return 0
-    outcomes = submit_to_ray(records, args.out, args.ray) if args.ray else run_locally(records, args.out)
+    try:
+        outcomes = submit_to_ray(records, args.out, args.ray) if args.ray else run_locally(records, args.out)
+    except ClusterError as exc:
+        return _error(str(exc))
     for outcome in outcomes:
         print(f"{outcome.name}: {outcome.line}")
     print(f"manifest: {manifest}")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import sys
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from respo_verl.algorithms import ALGORITHMS
@@ -21,9 +21,20 @@ from respo_verl.tools.runs.manifest import RunRecord
 from respo_verl.verl.compose import ComposeError, compose_job
 
 ENTRY_MODULES = {"respo": "respo_verl.main_ppo", "verl": "verl.trainer.main_ppo"}  # python -m <module>
-# verl keys a seed sets; dropped, with the run name, from the configuration hash.
-SEED_KEYS = ("data.seed", "actor_rollout_ref.rollout.seed", "actor_rollout_ref.actor.data_loader_seed")
-PER_RUN_KEYS = (*SEED_KEYS, "trainer.experiment_name")
+# The interpreter of a run's command: the cluster's ``python``, so that a printed line can be pasted there (a local
+# run substitutes this machine's interpreter, runner.local_command).
+PYTHON = "python"
+# The verl keys a seed sets, as examples/run_*.sh set them (scripts/launch/launch_common.sh): the prompt order, the
+# rollout sampler, and the actor engine's own seed, whose key depends on the engine (model_engine).
+SEED_KEYS = ("data.seed", "actor_rollout_ref.rollout.seed")
+ENGINE_SEED_KEYS = {
+    "dp": "actor_rollout_ref.actor.fsdp_config.seed",
+    "megatron": "actor_rollout_ref.actor.megatron.seed",
+    "torchtitan": "actor_rollout_ref.actor.torchtitan.seed",
+    "veomni": "actor_rollout_ref.actor.veomni.seed",
+}
+# Dropped, with the run name, from the configuration hash.
+PER_RUN_KEYS = (*SEED_KEYS, *ENGINE_SEED_KEYS.values(), "trainer.experiment_name")
 # The keys N sets (see run_overrides).
 REUSE_KEYS = ("data.train_batch_size", "trainer.total_training_steps")
 ROUTING_MODES = ("off", "r2", "r3")
@@ -62,7 +73,6 @@ class SweepSpec:
     base_overrides: tuple[str, ...] = ()
     out_dir: Path = Path("runs")
     project: str = "respo_verl_sweep"
-    python: str = field(default_factory=lambda: sys.executable)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.algorithms) - set(ALGORITHMS))
@@ -85,14 +95,19 @@ def run_name(spec: SweepSpec, algorithm: str, reuse: int, seed: int) -> str:
     return f"{spec.model}-{algorithm}-n{reuse}-s{seed}"
 
 
-def run_overrides(spec: SweepSpec, algorithm: str, reuse: int, seed: int) -> list[str]:
-    """Hydra overrides of one run, in the form its entry point takes them."""
+def run_overrides(spec: SweepSpec, algorithm: str, reuse: int, seed: int, engine: str | None = None) -> list[str]:
+    """Hydra overrides of one run, in the form its entry point takes them.
+
+    ``engine`` (the job's ``model_engine``) selects the engine's seed key (:data:`ENGINE_SEED_KEYS`); None leaves it
+    out (the job is composed without it to learn the engine, see :func:`expand`).
+    """
     plus = "" if spec.entry == "respo" else "+"
     overrides = [f"{plus}algorithm={algorithm}"]
     if spec.preset:
         overrides.append(f"+cluster={spec.preset}")
     if spec.routing:
         overrides.append(f"{plus}routing={spec.routing}")
+    seed_keys = [*SEED_KEYS, *([] if engine is None else [engine_seed_key(engine)])]
     overrides += [
         *spec.base_overrides,
         f"data.train_batch_size={spec.mini_batch * reuse}",
@@ -102,9 +117,25 @@ def run_overrides(spec: SweepSpec, algorithm: str, reuse: int, seed: int) -> lis
         f"trainer.project_name={spec.project}",
         f"trainer.experiment_name={run_name(spec, algorithm, reuse, seed)}",
         "trainer.logger=[console,file]",
-        *(f"{key}={seed}" for key in SEED_KEYS),
+        *(f"{key}={seed}" for key in seed_keys),
     ]
     return overrides
+
+
+def engine_seed_key(engine: str) -> str:
+    """The actor engine's seed key for ``model_engine=<engine>``; SweepError for an engine without a known one."""
+    try:
+        return ENGINE_SEED_KEYS[engine]
+    except KeyError:
+        raise SweepError(
+            f"model_engine={engine}: no seed key known for this engine (known: {', '.join(ENGINE_SEED_KEYS)})"
+        ) from None
+
+
+def engine_of_overrides(overrides: Sequence[str]) -> str | None:
+    """The engine a ``model_engine=`` override selects (the last one), or None when none does."""
+    engines = [o.split("=", 1)[1] for o in overrides if _key(o) == "model_engine" and "=" in o]
+    return engines[-1] if engines else None
 
 
 def config_hash(cfg) -> str:
@@ -145,7 +176,7 @@ def _job_of(spec: SweepSpec, algorithm: str, reuse: int, composed: dict[str, tup
     """
     from omegaconf import OmegaConf
 
-    first = spec.seeds[0]
+    first = spec.seeds[0]  # the engine's seed key is left out: the composed job says which engine it is
     if algorithm not in composed:
         composed[algorithm] = (reuse, compose_job(spec.entry, run_overrides(spec, algorithm, reuse, first)))
     base_reuse, base_job = composed[algorithm]
@@ -164,37 +195,44 @@ def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
     With ``compose``, the job of every distinct configuration (one per algorithm and N: seeds differ only in the
     per-run keys, which the hash leaves out) is composed as its entry point composes it, checked with
     :func:`respo_verl.verl.jobcheck.check_job` and hashed, before anything is printed or launched. Hydra runs once
-    per algorithm (:func:`_job_of`).
+    per algorithm (:func:`_job_of`). The composed job's ``model_engine`` selects the engine's seed key; without
+    ``compose`` only a ``model_engine=`` among the base overrides does, and without one that key is not set.
 
     Raises:
         SweepError: a run's job does not compose or does not pass the check (naming the run).
     """
+    from omegaconf import OmegaConf
+
     from respo_verl.verl.jobcheck import check_job
 
     records = []
     versions = _versions()
     logs_dir = spec.out_dir / "logs"
-    digests: dict[tuple[str, int], str] = {}
     composed: dict[str, tuple[int, object]] = {}
     for algorithm in spec.algorithms:
+        engine = engine_of_overrides(spec.base_overrides)
         for reuse in spec.reuse:
+            digest = ""
+            first = run_name(spec, algorithm, reuse, spec.seeds[0])
+            if compose:
+                try:
+                    job = _job_of(spec, algorithm, reuse, composed)
+                except ComposeError as exc:
+                    raise SweepError(f"run {first}: {exc}") from None
+                try:
+                    check_job(job)
+                except ValueError as exc:
+                    raise SweepError(f"run {first}: {exc}") from None
+                digest = config_hash(job)
+                engine = OmegaConf.select(job, "model_engine", default=None)
+            if engine is not None:
+                try:
+                    engine_seed_key(engine)
+                except SweepError as exc:
+                    raise SweepError(f"run {first}: {exc}") from None
             for seed in spec.seeds:
                 name = run_name(spec, algorithm, reuse, seed)
-                overrides = run_overrides(spec, algorithm, reuse, seed)
-                digest = ""
-                if compose:
-                    shared = (algorithm, reuse)
-                    if shared not in digests:
-                        try:
-                            job = _job_of(spec, algorithm, reuse, composed)
-                        except ComposeError as exc:
-                            raise SweepError(f"run {name}: {exc}") from None
-                        try:
-                            check_job(job)
-                        except ValueError as exc:
-                            raise SweepError(f"run {name}: {exc}") from None
-                        digests[shared] = config_hash(job)
-                    digest = digests[shared]
+                overrides = run_overrides(spec, algorithm, reuse, seed, engine)
                 log = logs_dir / f"{name}.jsonl"
                 records.append(
                     RunRecord(
@@ -205,7 +243,7 @@ def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
                         log=str(log.relative_to(spec.out_dir)),
                         optimizer_steps=spec.optimizer_steps,
                         config_hash=digest,
-                        command=[spec.python, "-m", ENTRY_MODULES[spec.entry], *overrides],
+                        command=[PYTHON, "-m", ENTRY_MODULES[spec.entry], *overrides],
                         env={"VERL_FILE_LOGGER_PATH": str(log.resolve())},
                         preset=spec.preset,
                         routing=spec.routing,

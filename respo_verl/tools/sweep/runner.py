@@ -5,12 +5,23 @@ from __future__ import annotations
 import enum
 import os
 import shlex
+import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from respo_verl.tools.runs.logs import LogError, read_log
 from respo_verl.tools.runs.manifest import RunRecord
+
+# How long the reachability probe of a Ray address waits for a TCP connection: a refused port answers at once, a
+# dead host is not worth Ray's own 40 s of GCS retries.
+PROBE_TIMEOUT_S = 5.0
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot be reached (one line naming the address and the cause; exit code 2)."""
 
 
 class Status(enum.Enum):
@@ -49,9 +60,16 @@ def is_complete(record: RunRecord, out_dir: Path) -> bool:
 
 
 def shell_line(record: RunRecord) -> str:
-    """The run as one shell line, environment included."""
+    """The run as one shell line, environment included, with the cluster's ``python`` (as the manifest records it)."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(record.env.items()))
     return f"{env} {shlex.join(record.command)}".strip()
+
+
+def local_command(record: RunRecord) -> list[str]:
+    """The run's command for this machine: the manifest's ``python`` is this interpreter (the sweep's environment)."""
+    if record.command[:1] == ["python"]:
+        return [sys.executable, *record.command[1:]]
+    return list(record.command)
 
 
 def _skipped(record: RunRecord) -> Outcome:
@@ -67,7 +85,7 @@ def run_locally(records: list[RunRecord], out_dir: Path, echo=print) -> list[Out
             continue
         log_path(record, out_dir).parent.mkdir(parents=True, exist_ok=True)
         echo(f"[respo-verl sweep] {record.name}: {shell_line(record)}")
-        done = subprocess.run(record.command, env={**os.environ, **record.env}, check=False)
+        done = subprocess.run(local_command(record), env={**os.environ, **record.env}, check=False)
         if done.returncode != 0:
             outcomes.append(Outcome(record.name, Status.FAILED, f"failed with exit code {done.returncode}"))
             break
@@ -75,15 +93,55 @@ def run_locally(records: list[RunRecord], out_dir: Path, echo=print) -> list[Out
     return outcomes
 
 
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a Ray address (``http://head:8265``, ``ray://head:10001``, ``head:6379``), or None when it has
+    no port to probe (``auto``, a name without a port)."""
+    parts = urlsplit(address if "://" in address else f"//{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    return (parts.hostname, port) if parts.hostname and port else None
+
+
+def check_reachable(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Open (and close) a TCP connection to ``address``'s host and port before Ray is asked to.
+
+    Ray itself retries an unreachable GCS address for about 40 s and then raises with a long traceback; this probe
+    answers in at most ``timeout`` seconds. Raises :class:`ClusterError`.
+    """
+    target = _host_port(address)
+    if target is None:
+        return
+    try:
+        socket.create_connection(target, timeout=timeout).close()
+    except OSError as exc:
+        cause = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise ClusterError(f"cannot reach the Ray cluster at {address}: {cause}") from None
+
+
+def connect(address: str):
+    """Ray's JobSubmissionClient for ``address``, or :class:`ClusterError` naming the address and the cause."""
+    check_reachable(address)
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as exc:  # ConnectionError (dashboard), ray.exceptions.RpcError (GCS), ValueError (address)
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ClusterError(f"cannot reach the Ray cluster at {address}: {cause}") from None
+
+
 def submit_to_ray(records: list[RunRecord], out_dir: Path, address: str, client=None) -> list[Outcome]:
     """Submit incomplete runs as Ray jobs to the cluster at ``address`` (its dashboard, e.g. http://head:8265).
 
     The submission id is the run name, so submitting a sweep twice is refused by Ray for runs already submitted.
+
+    Raises:
+        ClusterError: the cluster cannot be reached (:func:`connect`).
     """
     if client is None:
-        from ray.job_submission import JobSubmissionClient
-
-        client = JobSubmissionClient(address)
+        client = connect(address)
     outcomes = []
     for record in records:
         if is_complete(record, out_dir):

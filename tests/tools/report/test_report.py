@@ -157,3 +157,51 @@ def test_a_log_truncated_by_a_resume_and_one_with_a_repeated_step_are_flagged(lo
     assert "m-respo-n8-s0: incomplete: 126 of 128 training steps logged" in text
     assert "m-respo-n8-s1: log: steps 41-42 were logged by more than one attempt (attempts [1, 2])" in text
     assert "m-respo-n8-s1: incomplete" not in text
+
+
+def _section(text: str, title: str) -> str:
+    """The body of the report's section ``## <title>`` ('' when there is none)."""
+    head = f"## {title}\n"
+    if head not in text:
+        return ""
+    body = text[text.index(head) + len(head) :]
+    return body[: body.index("\n## ")] if "\n## " in body else body
+
+
+def test_a_run_that_is_used_is_not_listed_under_what_was_not_used(logs_dir):
+    """A short run is averaged (its note is a caveat on a number in the table), a stray log is left out."""
+    grid(logs_dir, {"respo": [0.6, 0.6], "vespo": [0.5, 0.5]})
+    write_log(logs_dir / "logs" / "m-respo-n8-s1.jsonl", late_score=0.7, steps=64)
+    write_log(logs_dir / "stray.jsonl", 0.9)
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "| ReSPO | 65.00 ± 7.07 (n=2)" in text  # m-respo-n8-s1 is used
+    not_used = _section(text, "What was not used")
+    assert "m-respo-n8-s1" not in not_used and "stray.jsonl: no manifest entry" in not_used
+    assert "- m-respo-n8-s1: incomplete: 64 of 128 training steps logged" in _section(text, "Notes on the runs used")
+
+
+def test_the_difference_to_vespo_is_promised_only_where_there_is_a_vespo_run(logs_dir):
+    out = logs_dir / "report"
+    grid(logs_dir, {"respo": [0.60, 0.62], "grpo": [0.40, 0.42]})
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "second line: difference to VESPO" not in text and " pp" not in text
+    assert "no VESPO run was found, so no difference to VESPO is shown." in text
+
+    grid(logs_dir, {"respo": [0.60, 0.62], "vespo": [0.50, 0.52]})
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "second line: difference to VESPO at the same N in percentage points with a 95% Welch t interval." in text
+    assert "no VESPO run was found" not in text
+
+
+def test_the_difference_to_vespo_names_the_n_without_a_vespo_group(logs_dir):
+    write_log(logs_dir / "logs" / "m-respo-n8-s0.jsonl", 0.6)
+    write_log(logs_dir / "logs" / "m-vespo-n8-s0.jsonl", 0.5)
+    write_log(logs_dir / "logs" / "m-respo-n16-s0.jsonl", 0.6, steps=64)
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir / "logs"), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "Welch t interval (no VESPO group at N = 16: no difference there)." in text

@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 
 from respo_verl.cli import main as cli_main
-from respo_verl.tools.report.analysis import summarise_groups, summarise_run
-from respo_verl.tools.report.render import _short_run_note, starved_mass_bands, starved_mass_figure
+from respo_verl.tools.report.analysis import RunIdentity, parse_run_name, summarise_groups, summarise_run
+from respo_verl.tools.report.render import (
+    ZERO_PLOT_TOP,
+    _short_run_note,
+    score_figure,
+    starved_mass_bands,
+    starved_mass_figure,
+)
 from respo_verl.tools.runs.logs import read_log
 from respo_verl.tools.runs.manifest import RunRecord, write_manifest
 
@@ -144,3 +150,76 @@ def test_the_early_window_caveat_counts_the_short_runs_and_is_absent_without_the
         "early score is their AUC."
     )
     assert _short_run_note([long]) == ""
+
+
+def test_the_miniature_s_log_names_are_parsed():
+    """experiments/mini/train.py names its logs ``<algo>_n<N>_lr<lr:.0e>_w<warm seed>_seed<seed>[_r2]``."""
+    assert parse_run_name("respo_n32_lr4e-04_w0_seed0") == RunIdentity("respo", 32, 0, lr=4e-4, warm_seed=0)
+    assert parse_run_name("vespo_n8_lr2e-04_w1_seed3_r2") == RunIdentity("vespo", 8, 3, lr=2e-4, warm_seed=1)
+    assert parse_run_name("qwen3-30b-a3b-gspo-n16-s2") == RunIdentity("gspo", 16, 2)
+    assert parse_run_name("respo_n32_seed1") == RunIdentity("respo", 32, 1)
+    assert parse_run_name("stray") is None
+
+
+def test_a_folder_of_the_miniature_s_logs_without_its_manifest_is_reported(tmp_path):
+    """docs/comparing.md's example: `respo-verl report <mini out>/respo_verl_mini` (the logs, no manifest)."""
+    folder = tmp_path / "respo_verl_mini"
+    for seed in range(2):
+        per_update_log(folder / f"respo_n{N}_lr4e-04_w{seed % 2}_seed{seed}.jsonl", -1.0, 1.0, starved=0.2)
+        per_update_log(folder / f"vespo_n{N}_lr4e-04_w{seed % 2}_seed{seed}.jsonl", -1.0, -1.0, starved=0.1)
+    out = tmp_path / "report"
+    assert cli_main(["report", str(folder), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "| ReSPO | 50.00 ± 0.00 (n=2)<br>+50.00 pp" in text
+    assert "| VESPO | 0.00 ± 0.00 (n=2) |" in text
+    assert "no manifest entry" not in text
+
+
+def test_the_miniature_s_runs_at_different_learning_rates_are_not_averaged(tmp_path):
+    per_update_log(tmp_path / f"respo_n{N}_lr2e-04_w0_seed0.jsonl", -1.0, 1.0)  # logs no actor/lr: the name says it
+    per_update_log(tmp_path / f"respo_n{N}_lr4e-04_w1_seed1.jsonl", -1.0, 1.0)
+    out = tmp_path / "report"
+    assert cli_main(["report", str(tmp_path), "--out", str(out), "--no-plots"]) == 0
+    assert f"respo N={N}: not averaged — learning rates differ (file names)" in (out / "report.md").read_text()
+
+
+def test_no_identified_run_is_one_line_and_exit_2(tmp_path, capsys):
+    per_update_log(tmp_path / "logs" / "stray.jsonl", -1.0, 1.0)
+    per_update_log(tmp_path / "logs" / "respo_32_0.jsonl", -1.0, 1.0)
+    assert cli_main(["report", str(tmp_path / "logs"), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"respo-verl report: no run identified in {tmp_path / 'logs'}: read 2 log(s) and 0 manifest")
+    assert "respo-n32-s0, respo_n32_seed0, respo_n32_lr4e-04_w0_seed0" in err
+    assert not (tmp_path / "r").exists()
+
+
+def _zero_groups(tmp_path: Path):
+    """Two seeds of ReSPO whose score is 0 and whose starved mass share is 0.00 at every update."""
+    for seed in range(2):
+        per_update_log(tmp_path / f"respo_n{N}_seed{seed}.jsonl", early=-1.0, late=-1.0, starved=0.0)
+    return _groups(tmp_path)
+
+
+def test_a_plot_of_a_metric_that_is_0_throughout_starts_at_0(tmp_path):
+    groups = _zero_groups(tmp_path)
+    (ax,) = starved_mass_figure(groups).axes
+    assert max(max(line.get_ydata()) for line in ax.get_lines()) == 0.0
+    assert ax.get_ylim() == (0.0, ZERO_PLOT_TOP)
+    (ax,) = score_figure(groups, N).axes
+    assert ax.get_ylim() == (0.0, ZERO_PLOT_TOP)
+
+
+def test_plots_start_at_0_and_keep_room_for_every_panel(tmp_path):
+    per_update_log(tmp_path / "respo_n8_seed0.jsonl", early=-1.0, late=1.0, starved=0.3)
+    per_update_log(tmp_path / "respo_n16_seed0.jsonl", early=-1.0, late=1.0, starved=0.05)
+    for path in tmp_path.glob("respo_n16_*.jsonl"):  # per_update_log writes mini/reuse = 8: make it 16
+        path.write_text(path.read_text().replace(f'"mini/reuse": {N}', '"mini/reuse": 16'))
+    groups = _groups(tmp_path)
+    axes = starved_mass_figure(groups).axes
+    assert len(axes) == 2
+    for ax in axes:  # shared y-axis: the top fits the larger panel (30 %)
+        low, high = ax.get_ylim()
+        assert low == 0.0 and 30.0 < high < 35.0
+    low, high = score_figure(groups, 8).axes[0].get_ylim()
+    assert low == 0.0 and high >= 100.0

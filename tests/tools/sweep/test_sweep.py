@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
+import socket
 import subprocess
 import sys
+import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -16,6 +20,8 @@ from respo_verl.tools.runs.manifest import read_manifest, write_manifest
 from respo_verl.tools.sweep.grid import SweepSpec, expand
 from respo_verl.tools.sweep.runner import is_complete, run_locally, submit_to_ray
 from respo_verl.verl.compose import compose_job
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +76,14 @@ def test_a_printed_command_composes_under_cfg_job(tmp_path, capsys, entry):
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     words = shlex.split(line)
     command = [w for w in words if "=" not in w or not w.split("=", 1)[0].isupper()]
-    out = subprocess.run([*command, "--cfg", "job"], capture_output=True, text=True, timeout=300)
+    assert command[0] == "python"  # the cluster's interpreter; here, this environment's
+    out = subprocess.run([sys.executable, *command[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     job = OmegaConf.create(out.stdout)
     assert job.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
     assert job.data.train_batch_size == 512 and job.trainer.total_training_steps == 64
     assert job.trainer.experiment_name == "model-gspo-n16-s2" and job.data.seed == 2
+    assert job.actor_rollout_ref.actor.fsdp_config.seed == 2 and job.actor_rollout_ref.rollout.seed == 2
     assert job.trainer.nnodes == 2 and job.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
 
 
@@ -181,3 +189,57 @@ def test_ray_submission_sends_each_incomplete_run_once(tmp_path):
     entry, sid, env = client.jobs[0]
     assert entry.startswith("python -m respo_verl.main_ppo algorithm=vespo") and sid == records[0].name
     assert env == {"env_vars": records[0].env}
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released): a connection to it is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("scheme", ["", "http://"])
+def test_an_unreachable_ray_address_is_one_line_and_exit_2(tmp_path, capsys, scheme):
+    address = f"{scheme}127.0.0.1:{_closed_port()}"
+    argv = ["sweep", "--ray", address, "--no-compose", "--out", str(tmp_path), "--algos", "respo", "--reuse", "8"]
+    start = time.monotonic()
+    assert cli_main([*argv, "--seeds", "0"]) == 2
+    assert time.monotonic() - start < 10  # the probe, not Ray's 40 s of GCS retries
+    err = capsys.readouterr().err
+    assert err.strip() == f"respo-verl sweep: cannot reach the Ray cluster at {address}: Connection refused"
+
+
+def test_printed_lines_can_be_pasted_on_the_cluster(tmp_path, capsys):
+    argv = ["sweep", "--print", "--no-compose", "--out", str(tmp_path), "--algos", "vespo", "--reuse", "8"]
+    assert cli_main([*argv, "--seeds", "0,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        words = shlex.split(line)
+        assert words[0].startswith("VERL_FILE_LOGGER_PATH=") and words[1:4] == ["python", "-m", "respo_verl.main_ppo"]
+        assert sys.executable not in line
+    assert all(r.command[0] == "python" for r in read_manifest(tmp_path / "manifest.jsonl"))
+
+
+def _example_seed_keys(script: Path) -> tuple[str, set[str]]:
+    """An example's default preset and the keys it sets to $SEED (its SEED_KEY and scripts/launch/launch_common.sh)."""
+    text = script.read_text()
+    preset = re.search(r"^PRESET=\$\{PRESET:-(\w+)\}", text, re.M)[1]
+    seed_key = re.search(r"^SEED_KEY=(\S+)", text, re.M)[1]
+    common = (REPO / "scripts" / "launch" / "launch_common.sh").read_text()
+    keys = {key.replace("$SEED_KEY", seed_key) for key in re.findall(r'"([\w.$]+)=\$SEED"', common)}
+    return preset, keys
+
+
+@pytest.mark.parametrize("script", sorted((REPO / "examples").glob("run_*.sh")), ids=lambda p: p.name)
+def test_the_sweep_seeds_the_keys_the_examples_seed(tmp_path, script):
+    preset, example_keys = _example_seed_keys(script)
+    assert "data.seed" in example_keys and len(example_keys) == 3
+    spec = SweepSpec(algorithms=("respo",), reuse=(8,), seeds=(7,), preset=preset, out_dir=tmp_path)
+    (record,) = expand(spec)
+    swept = {o.split("=", 1)[0] for o in record.command[3:] if o.split("=", 1)[1] == "7"}
+    assert swept == example_keys
+    # Without composing, a model_engine= override names the engine (otherwise its seed key is not set).
+    spec = SweepSpec(algorithms=("respo",), reuse=(8,), seeds=(7,), base_overrides=("model_engine=megatron",))
+    (record,) = expand(spec, compose=False)
+    assert "actor_rollout_ref.actor.megatron.seed=7" in record.command
