@@ -9,8 +9,10 @@ exactly those:
 - ``torch.cuda.current_device`` → ``"cpu"`` (buffers are allocated on it; the router's ``gating()`` moves its
   weight there);
 - ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``stream`` → objects whose methods do nothing (the MoE
-  token dispatchers record and wait on them);
-- the model-parallel CUDA RNG tracker's ``fork`` → a null context, its ``get_states`` / ``set_states`` → empty; CUDA
+  token dispatchers record and wait on them); ``torch.cuda.synchronize`` → nothing (dist-checkpointing's save
+  synchronises before it copies the tensors to the host, which on CPU they are already);
+- the model-parallel CUDA RNG tracker's ``fork`` → a null context, its ``get_states`` → the CPU generator's state
+  (a checkpoint must hold a non-empty one), ``set_states`` → nothing; CUDA
   RNG state get/set (activation recompute) → the CPU generator's state, so a recompute replays the same stream;
 - ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` → ``None`` when Transformer Engine is absent (0.16.1
   reads the name without a guard);
@@ -155,11 +157,14 @@ def _install(patch: Patch) -> None:
     patch.replace(torch.cuda, "Event", _NoOpEvent, no_cuda)
     patch.replace(torch.cuda, "current_stream", lambda *a, **k: _NoOpStream(), no_cuda)
     patch.replace(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext(), no_cuda)
+    patch.replace(torch.cuda, "synchronize", lambda *a, **k: None, "dist-checkpointing's save synchronises first")
     patch.replace(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state(), "recompute saves RNG state")
     patch.replace(megatron_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state(), no_cuda)
     patch.replace(megatron_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state), no_cuda)
     patch.replace(tracker, "fork", lambda *a, **k: contextlib.nullcontext(), "the CUDA RNG tracker forks CUDA state")
-    patch.replace(tracker, "get_states", lambda: {}, "the CUDA RNG tracker has no CPU state")
+    # Not empty: verl's Megatron checkpoint load refuses an empty tracker state. On CPU the tracker forks nothing,
+    # so its state is the CPU generator's (which verl saves and restores on its own as well).
+    patch.replace(tracker, "get_states", lambda: {"cpu": torch.get_rng_state()}, "no CUDA RNG state on CPU")
     patch.replace(tracker, "set_states", lambda states: None, "the CUDA RNG tracker has no CPU state")
     if not hasattr(moe_utils, "te_general_gemm"):
         patch.replace(moe_utils, "te_general_gemm", None, "0.16.1 reads the name without a guard")
