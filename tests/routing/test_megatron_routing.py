@@ -22,6 +22,7 @@ from support.megatron_moe import (
     forward,
     megatron_cpu,
     tiny_gpt_moe,
+    verl_router_replay_patch,
 )
 
 from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
@@ -43,21 +44,8 @@ def input_ids():
 @pytest.fixture
 def verl_patch():
     """verl's apply_router_replay_patch() for one test; megatron-core's classes are restored afterwards."""
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    saved = [(cls, dict(vars(cls))) for cls in (TopKRouter, TransformerConfig, MoEAlltoAllTokenDispatcher)]
-    from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
-
-    apply_router_replay_patch()
-    yield
-    for cls, attrs in saved:
-        for name in set(vars(cls)) - set(attrs):
-            delattr(cls, name)
-        for name, value in attrs.items():
-            if vars(cls).get(name) is not value:
-                setattr(cls, name, value)
+    with verl_router_replay_patch():
+        yield
 
 
 def _actions(router):

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_moe import TOP_K, VOCAB, megatron_cpu, tiny_gpt_moe
+from support.megatron_moe import TOP_K, VOCAB, megatron_cpu, tiny_gpt_moe, verl_router_replay_patch
 
 from respo_verl.routing.diagnostics import RouteDriftStats
 from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
@@ -85,21 +85,8 @@ def cpu_world():
 @pytest.fixture
 def verl_patch():
     """verl's apply_router_replay_patch() for one test; megatron-core's classes are restored afterwards."""
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    saved = [(cls, dict(vars(cls))) for cls in (TopKRouter, TransformerConfig, MoEAlltoAllTokenDispatcher)]
-    from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
-
-    apply_router_replay_patch()
-    yield
-    for cls, attrs in saved:
-        for name in set(vars(cls)) - set(attrs):
-            delattr(cls, name)
-        for name, value in attrs.items():
-            if vars(cls).get(name) is not value:
-                setattr(cls, name, value)
+    with verl_router_replay_patch():
+        yield
 
 
 class _ParallelSizes:

@@ -93,3 +93,26 @@ def forward(model, input_ids: torch.Tensor) -> torch.Tensor:
     position_ids = torch.arange(seq).expand(batch, seq)  # (B, T)
     causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
     return model(input_ids, position_ids, attention_mask=causal_mask)
+
+
+@contextlib.contextmanager
+def verl_router_replay_patch() -> Iterator[None]:
+    """verl's ``apply_router_replay_patch()`` for the duration of a block; megatron-core's classes are restored
+    afterwards (verl's patch has no undo)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    saved = [(cls, dict(vars(cls))) for cls in (TopKRouter, TransformerConfig, MoEAlltoAllTokenDispatcher)]
+    from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+
+    apply_router_replay_patch()
+    try:
+        yield
+    finally:
+        for cls, attrs in saved:
+            for name in set(vars(cls)) - set(attrs):
+                delattr(cls, name)
+            for name, value in attrs.items():
+                if vars(cls).get(name) is not value:
+                    setattr(cls, name, value)
