@@ -2,6 +2,8 @@
 
 One list for the whole package. The names are the ``algorithm=<name>`` presets (``configs/algorithm``);
 the order is the paper's table order (the method, the baseline it is compared with, then the other baselines).
+:data:`ABLATIONS` are the branch-ablation presets (docs/method.md, "Branch ablation"): :func:`get` knows them, but
+they are not among the default :data:`ALGORITHMS` of sweeps and reports.
 """
 
 from __future__ import annotations
@@ -30,8 +32,16 @@ _ALGORITHMS = (
     Algorithm("grpo", "GRPO", "tab:blue"),
     Algorithm("gspo", "GSPO", "tab:green"),
 )
-BY_NAME = {a.name: a for a in _ALGORITHMS}
+_ABLATIONS = (
+    Algorithm("respo_pos", "ReSPO+ / VESPO−", "tab:purple"),
+    Algorithm("respo_neg", "VESPO+ / ReSPO−", "tab:brown"),
+    Algorithm("phi_one", "φ ≡ 1", "tab:gray"),
+    Algorithm("grpo_noclip", "GRPO no clip", "tab:cyan"),
+)
+BY_NAME = {a.name: a for a in (*_ALGORITHMS, *_ABLATIONS)}
 ALGORITHMS: tuple[str, ...] = tuple(a.name for a in _ALGORITHMS)
+ABLATIONS: tuple[str, ...] = tuple(a.name for a in _ABLATIONS)
+_KNOWN = (*ALGORITHMS, *ABLATIONS)
 # Differences in the comparison report are taken to this algorithm's late score at the same N.
 BASELINE = "vespo"
 
@@ -41,7 +51,7 @@ def get(name: str) -> Algorithm:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}") from None
+        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(_KNOWN)}") from None
 
 
 def display_name(name: str) -> str:
@@ -49,15 +59,15 @@ def display_name(name: str) -> str:
 
 
 def order(name: str) -> int:
-    """Sort key: position in :data:`ALGORITHMS`."""
-    return ALGORITHMS.index(get(name).name)
+    """Sort key: position in :data:`ALGORITHMS`, then in :data:`ABLATIONS`."""
+    return _KNOWN.index(get(name).name)
 
 
 def parse_list(text: str) -> tuple[str, ...]:
     """``"respo,vespo"`` → ``("respo", "vespo")``; ValueError for an unknown, repeated or missing name."""
     names = [part.strip() for part in text.split(",")]
     if not text.strip() or any(not n for n in names):
-        raise ValueError(f"expected a comma-separated list of algorithms from {', '.join(ALGORITHMS)}, got {text!r}")
+        raise ValueError(f"expected a comma-separated list of algorithms from {', '.join(_KNOWN)}, got {text!r}")
     for name in names:
         get(name)
     if len(set(names)) != len(names):

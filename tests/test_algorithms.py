@@ -12,7 +12,8 @@ from respo_verl import algorithms
 def test_every_algorithm_is_a_shipped_preset_and_every_preset_is_listed():
     presets = resources.files("respo_verl.configs") / "algorithm"
     shipped = {p.name.removesuffix(".yaml") for p in presets.iterdir() if p.name.endswith(".yaml")}
-    assert set(algorithms.ALGORITHMS) == shipped
+    assert set(algorithms.ALGORITHMS) | set(algorithms.ABLATIONS) == shipped
+    assert not set(algorithms.ALGORITHMS) & set(algorithms.ABLATIONS)
 
 
 def test_order_display_and_baseline():

@@ -7,7 +7,9 @@ algorithm with one RL seed per warm start; then, at the common learning rate (ch
 the rates in the paper's regime), ReSPO and VESPO with 8 seeds (2 warm starts × 4 RL seeds) at N = 32 and 2 seeds at
 N ∈ {8, 16}
 (``experiments.mini.protocol``). Every run prints and logs the regime checks (``experiments.mini.regime``); the scores
-are ``respo-verl report``'s (late = last 128 updates).
+are ``respo-verl report``'s (late = last 128 updates). ``--ablate``: the branch ablation (ReSPO, VESPO, the two
+branch hybrids, φ ≡ 1, GRPO without clipping) at N = 32 and the verdict's common rate with its 8 paired seeds, and the
+gap ReSPO − VESPO decomposed by branch with paired intervals; it resumes, skipping runs already complete in --out.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description=" ".join(__doc__.split("\n\n")[:2]).replace("\n", " ").replace("``", "")
     )
     parser.add_argument("--full", action="store_true", help="the protocol's full grid (learning rates, N, 8 seeds)")
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="the branch ablation at N = 32 and the common rate, 8 paired seeds (--seeds to reduce); resumes",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="skip runs whose log and result are complete in --out (--ablate: always)"
+    )
     parser.add_argument("--algos", type=_algorithms, default=None, help="comma-separated (default: all four)")
     parser.add_argument("--reuse", type=reuse_list, default=None, metavar="N,...", help="rollout reuse (default 32)")
     parser.add_argument("--seeds", type=seed_list, default=None, metavar="S,...", help="RL seeds (default 0)")
@@ -114,6 +124,22 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill mode defaults and check every option; raise :class:`UsageError` with a clear message."""
     if args.routing_replay and not args.moe:
         raise UsageError("--routing-replay replays the experts of an MoE model: it needs --moe")
+    if args.ablate:
+        if args.full or any(v is not None for v in (args.algos, args.reuse, args.lr, args.optimizer_steps)):
+            raise UsageError(
+                "--ablate runs the ablation's grid: it takes no --full, --algos, --reuse, --lr or --optimizer-steps "
+                "(--seeds reduces it)"
+            )
+        if args.moe:
+            raise UsageError("--ablate runs the dense model of the verdict: it takes no --moe")
+        args.algos = list(protocol.ABLATION)
+        args.reuse, args.lr = [protocol.GRID_REUSE], [protocol.ABLATION_LR]
+        args.seeds = list(args.seeds or protocol.FULL_SEEDS)
+        args.optimizer_steps = protocol.FULL_OPTIMIZER_STEPS
+        args.resume = True
+    ablations = [a for a in args.algos or () if a in algorithms.ABLATIONS]
+    if ablations and not args.ablate:
+        raise UsageError(f"{', '.join(ablations)}: the ablation presets run through --ablate")
     args.algos = list(args.algos or algorithms.ALGORITHMS)
     if args.full and any(v is not None for v in (args.reuse, args.seeds, args.lr, args.optimizer_steps)):
         raise UsageError("--full runs the protocol's grid: it takes no --reuse, --seeds, --lr or --optimizer-steps")
@@ -218,15 +244,17 @@ class _Session:
             for algo, n, lr, seed in runs
         ]
 
-    def execute(self, cfgs) -> list:
-        """Run the configurations; (RunConfig, JobResult) pairs in their order."""
+    def jobs(self, cfgs) -> list:
         a = self.args
-        jobs = [
+        return [
             experiment.Job(c, self.spec, self.warms[c.warm_seed], self.cache_dir, self.out, a.threads, not a.train_base)
             for c in cfgs
         ]
+
+    def execute(self, cfgs) -> list:
+        """Run the configurations; (RunConfig, JobResult) pairs in their order."""
         with self._bar(sum(c.optimizer_steps for c in cfgs), "upd") as bar:
-            return list(zip(cfgs, experiment.execute(jobs, a.workers, bar)))
+            return list(zip(cfgs, experiment.execute(self.jobs(cfgs), self.args.workers, bar, self.args.resume)))
 
     def records(self, done) -> list:
         """(RunRecord, RunConfig) pairs of finished runs."""
@@ -266,6 +294,25 @@ def _run_listed(session: _Session) -> tuple[list, dict[str, list], str]:
     return done, views, ""
 
 
+def _run_ablation(session: _Session) -> tuple[list, list[str]]:
+    """The branch ablation: every method of ``protocol.ABLATION`` × the seeds, then its table."""
+    args = session.args
+    runs = [(a, protocol.GRID_REUSE, protocol.ABLATION_LR, s) for s in args.seeds for a in args.algos]
+    cfgs = session.configs(runs)
+    todo = sum(experiment.completed(job) is None for job in session.jobs(cfgs))
+    estimate = math.ceil(todo / args.workers) * protocol.RUN_SECONDS_ESTIMATE
+    print(
+        f"ablation: {len(cfgs)} runs ({todo} to do, {len(cfgs) - todo} complete) on {args.workers} worker(s); "
+        f"estimated {estimate / 60:.0f} min ({protocol.RUN_SECONDS_ESTIMATE:.0f} s per run per worker)",
+        flush=True,
+    )
+    done = session.execute(cfgs)
+    table = summary.ablation_markdown(
+        summary.late_by_seed(done, session.out), protocol.ABLATION_LR, protocol.GRID_REUSE
+    )
+    return done, table
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     experiment.quiet()
     import torch
@@ -282,7 +329,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     start = time.perf_counter()
     with logging_redirect_tqdm():
         session.warm_start()
-        done, views, chosen = (_run_full if args.full else _run_listed)(session)
+        if args.ablate:
+            done, table = _run_ablation(session)
+        else:
+            done, views, chosen = (_run_full if args.full else _run_listed)(session)
+    if args.ablate:
+        return _finish_ablation(session, done, table, time.perf_counter() - start)
     write_manifest([r for r, _ in session.records(done)], out)
     wall = time.perf_counter() - start
     sections = summary.results_markdown(argv, session.host, args.threads, args.workers, done, wall)
@@ -297,4 +349,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     (out / "summary.json").write_text(json.dumps({"wall_s": wall, "machine": session.host, "runs": runs}))
     print(results)
     print(f"\ntotal {wall:.0f} s; summary {out / 'results.md'}; reports under {out / 'report'}")
+    return 0
+
+
+def _finish_ablation(session: _Session, done: list, table: list[str], wall: float) -> int:
+    """results.md and summary.json of an ablation. No manifest or report views: the run manifest
+    (``respo_verl.tools.runs.manifest``) admits only ``algorithms.ALGORITHMS``, not the ablation presets."""
+    out, args = session.out, session.args
+    sections = summary.results_markdown(session.argv, session.host, args.threads, args.workers, done, wall)
+    sections += ["## Branch ablation", "", *table]
+    results = "\n".join(sections)
+    (out / "results.md").write_text(results)
+    runs = [r.as_dict() for _, r in done]
+    (out / "summary.json").write_text(json.dumps({"wall_s": wall, "machine": session.host, "runs": runs}))
+    print(results)
+    print(f"\nmeasured wall time {wall:.0f} s ({wall / 60:.1f} min); summary {out / 'results.md'}")
     return 0

@@ -108,6 +108,54 @@ def _mean_or_nan(values: list[float]) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
+RESULT_SUFFIX = ".result.json"
+
+
+def result_path(log: Path) -> Path:
+    """Where a finished run keeps its :class:`JobResult` beside its log (written after the log is complete)."""
+    return Path(log).with_suffix(RESULT_SUFFIX)
+
+
+def _log_path(job: Job) -> Path:
+    from experiments.mini.train import PROJECT_NAME
+
+    return Path(job.out) / PROJECT_NAME / f"{job.cfg.name}.jsonl"
+
+
+def _write_result(job: Job, result: JobResult) -> None:
+    data = asdict(result)
+    data["log"] = str(result.log)
+    del data["regime"]  # rebuilt from stale_totals and stale_shares
+    data["config_hash"] = config_hash(job.cfg)
+    path = result_path(result.log)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)  # atomic: a result file exists only whole
+
+
+def completed(job: Job) -> JobResult | None:
+    """The result of ``job`` when an earlier invocation finished it: its log has every optimizer step and its result
+    file (same configuration hash) was written after it. None otherwise (the run is then done afresh)."""
+    from experiments.mini import regime
+
+    log, path = _log_path(job), result_path(_log_path(job))
+    if not (log.is_file() and path.is_file()):
+        return None
+    try:
+        data = json.loads(path.read_text())
+        lines = log.read_bytes().splitlines()
+        last_step = json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return None
+    if data.pop("config_hash", None) != config_hash(job.cfg) or len(lines) != job.cfg.optimizer_steps:
+        return None
+    if last_step != job.cfg.optimizer_steps:
+        return None
+    data["log"] = log
+    data["regime"] = regime.from_totals(job.cfg.reuse, data["stale_totals"], data["stale_shares"])
+    return JobResult(**data)
+
+
 def run_job(job: Job, progress=None) -> JobResult:
     """Train one configuration (in this or a worker process); ``progress.put(n)`` reports n more updates."""
     from experiments.mini import model as model_lib
@@ -128,7 +176,7 @@ def run_job(job: Job, progress=None) -> JobResult:
     quarter = data[-max(1, len(data) // 4) :]
     correct = _mean_or_nan([d["mini/response_length/correct_mean"] for d in quarter])
     wrong = _mean_or_nan([d["mini/response_length/wrong_mean"] for d in quarter])
-    return JobResult(
+    out = JobResult(
         name=job.cfg.name,
         log=Path(result.log_path),
         regime=result.regime,
@@ -139,6 +187,8 @@ def run_job(job: Job, progress=None) -> JobResult:
         last_quarter_correct_length=correct,
         wall_s=result.wall_s,
     )
+    _write_result(job, out)
+    return out
 
 
 class _BarProgress:
@@ -151,8 +201,21 @@ class _BarProgress:
         self.bar.update(n)
 
 
-def execute(jobs: list[Job], workers: int, bar) -> list[JobResult]:
-    """Run ``jobs`` in ``workers`` processes (in this process for one), updating ``bar`` as updates complete."""
+def execute(jobs: list[Job], workers: int, bar, resume: bool = False) -> list[JobResult]:
+    """Run ``jobs`` in ``workers`` processes (in this process for one), updating ``bar`` as updates complete.
+
+    With ``resume``, a job an earlier invocation finished (:func:`completed`) is not run again: its result is read
+    back from its output folder.
+    """
+    if resume:
+        done = [completed(job) for job in jobs]
+        for job, result in zip(jobs, done):
+            if result is not None:
+                print(f"{job.cfg.name}: complete in {job.out}, skipped", flush=True)
+                bar.update(job.cfg.optimizer_steps)
+        todo = [job for job, result in zip(jobs, done) if result is None]
+        fresh = iter(execute(todo, workers, bar) if todo else [])
+        return [result if result is not None else next(fresh) for result in done]
     if workers == 1 or len(jobs) == 1:
         out = []
         for job in jobs:

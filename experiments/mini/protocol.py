@@ -19,6 +19,10 @@
   four methods were in the regime when the grid was chosen), :data:`QUICK_OPTIMIZER_STEPS` updates: a smoke run
   with the regime checks, not a comparison.
 
+- Branch ablation (``--ablate``, added after the verdict; not part of the pre-registered comparison):
+  :data:`ABLATION` at N = 32, :data:`ABLATION_LR` (the common rate the verdict's runs used), :data:`FULL_SEEDS`
+  (the verdict's seeds, so each method's seed s shares warm start and RL seed with ReSPO's and VESPO's seed s).
+
 The late score is ``respo-verl report``'s: mean (reward + 1)/2 over the last 128 optimizer updates.
 """
 
@@ -46,6 +50,13 @@ N_WARM_STARTS = 2
 GRID_SEEDS = tuple(range(N_WARM_STARTS))
 FULL_SEEDS = tuple(range(4 * N_WARM_STARTS))
 QUICK_SEEDS = (0,)
+# The branch ablation: the verdict's pair, the two branch hybrids, φ ≡ 1 and GRPO without clipping.
+ABLATION = ("respo", "vespo", "respo_pos", "respo_neg", "phi_one", "grpo_noclip")
+# The common rate --full chose and the verdict's 16 runs used (docs/mini.md, "--full, measured: the verdict").
+ABLATION_LR = 4e-4
+# Measured wall time of one 192-update run at N = 32 on the 2-CPU AMD EPYC with another job on the machine
+# (`--algos respo --seeds 0`: 109 s); the estimate printed before an ablation assumes each worker takes this long.
+RUN_SECONDS_ESTIMATE = 110.0
 
 
 def warm_seed(seed: int) -> int:

@@ -8,6 +8,7 @@ returns detached values: the kernels are used as stop-gradient coefficients in a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -119,3 +120,69 @@ def vespo_phi(log_w_seq: torch.Tensor, positive_seq: torch.Tensor, config: VESPO
     log_phi_pos = vespo_log_phi(log_w_seq, config.k_pos, config.lambda_pos)  # (B,)
     log_phi_neg = vespo_log_phi(log_w_seq, config.k_neg, config.lambda_neg)  # (B,)
     return torch.where(positive_seq, log_phi_pos, log_phi_neg).exp()
+
+
+# The branch ablation (docs/method.md, "Branch ablation"): ReSPO and VESPO differ on both branches, so each hybrid
+# swaps one branch. Their log W is formed VESPO's way (each token log-ratio clamped to ±C, then the sum): a hybrid
+# then differs from VESPO in exactly one branch's kernel, which is the comparison the ablation's gap decomposition
+# (hybrid − VESPO) makes.
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """The two kernel configs a branch hybrid draws on; it adds no hyperparameter of its own.
+
+    Attributes:
+        respo: the ReSPO branch parameters (:class:`ReSPOConfig`; its ``log_w_clip`` and ``rollout_is_level`` are
+            not read).
+        vespo: the VESPO branch parameters and the formation of log W (``log_w_clip``, ``rollout_is_level``,
+            token log-ratio clamp), as in :class:`VESPOConfig`.
+    """
+
+    respo: ReSPOConfig
+    vespo: VESPOConfig
+
+    @property
+    def log_w_clip(self) -> float:
+        return self.vespo.log_w_clip
+
+    @property
+    def rollout_is_level(self) -> str:
+        return self.vespo.rollout_is_level
+
+
+def respo_pos_phi(log_w_seq: torch.Tensor, positive_seq: torch.Tensor, config: HybridConfig) -> torch.Tensor:
+    """ReSPO's positive branch with VESPO's negative branch: φ+ = ReSPO φ(W; α+, β+, λ+), φ− = W^k−·e^{λ−(1−W)}.
+
+    Args:
+        log_w_seq: (B,) clamped sequence log-weights.
+        positive_seq: (B,) bool, True where the sequence advantage is ≥ 0.
+        config: the two kernel configs.
+
+    Returns:
+        (B,) φ(W_i), detached.
+    """
+    log_phi_pos = respo_log_phi(log_w_seq, config.respo.positive)  # (B,)
+    log_phi_neg = vespo_log_phi(log_w_seq, config.vespo.k_neg, config.vespo.lambda_neg)  # (B,)
+    return torch.where(positive_seq, log_phi_pos, log_phi_neg).exp()
+
+
+def respo_neg_phi(log_w_seq: torch.Tensor, positive_seq: torch.Tensor, config: HybridConfig) -> torch.Tensor:
+    """VESPO's positive branch with ReSPO's negative branch: φ+ = W^k+·e^{λ+(1−W)}, φ− = ReSPO φ(W; α−, β−, λ−).
+
+    Shapes as :func:`respo_pos_phi`.
+    """
+    log_phi_pos = vespo_log_phi(log_w_seq, config.vespo.k_pos, config.vespo.lambda_pos)  # (B,)
+    log_phi_neg = respo_log_phi(log_w_seq, config.respo.negative)  # (B,)
+    return torch.where(positive_seq, log_phi_pos, log_phi_neg).exp()
+
+
+def phi_one(log_w_seq: torch.Tensor, positive_seq: torch.Tensor, config: object) -> torch.Tensor:
+    """φ ≡ 1 on both branches: the uncorrected sequence-level policy gradient −A·log π (no importance weight).
+
+    ``log_w_seq`` only sets the shape and dtype (it is still formed, for the diagnostics); ``config`` is not read.
+
+    Returns:
+        (B,) ones, detached.
+    """
+    return torch.ones_like(log_w_seq.detach())

@@ -17,7 +17,15 @@ from typing import Any
 import torch
 
 from respo_verl.core.config import ReSPOConfig, VESPOConfig
-from respo_verl.core.kernels import respo_phi, sequence_log_weight, vespo_phi
+from respo_verl.core.kernels import (
+    HybridConfig,
+    phi_one,
+    respo_neg_phi,
+    respo_phi,
+    respo_pos_phi,
+    sequence_log_weight,
+    vespo_phi,
+)
 
 CHECKED_TENSORS = ("log_prob", "old_log_prob", "advantages")
 
@@ -132,11 +140,17 @@ class KernelSpec:
     clamp_token_log_ratio: bool
 
 
-# The kernel families, by verl loss name.
+# The kernel families, by verl loss name. The ablation kernels (docs/method.md, "Branch ablation"): the hybrids form
+# log W VESPO's way (token clamp), so that each differs from VESPO in one branch only; phi_one forms it ReSPO's way,
+# for its diagnostics only (φ ≡ 1 does not read it).
 KERNELS = {
     "respo": KernelSpec(ReSPOConfig, respo_phi, clamp_token_log_ratio=False),
     "vespo": KernelSpec(VESPOConfig, vespo_phi, clamp_token_log_ratio=True),
+    "respo_pos": KernelSpec(HybridConfig, respo_pos_phi, clamp_token_log_ratio=True),
+    "respo_neg": KernelSpec(HybridConfig, respo_neg_phi, clamp_token_log_ratio=True),
+    "phi_one": KernelSpec(ReSPOConfig, phi_one, clamp_token_log_ratio=False),
 }
+ABLATION_KERNELS = ("respo_pos", "respo_neg", "phi_one")
 
 
 def _kernel_terms(
@@ -145,7 +159,7 @@ def _kernel_terms(
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: ReSPOConfig | VESPOConfig,
+    config: ReSPOConfig | VESPOConfig | HybridConfig,
     rollout_is_weights: torch.Tensor | None,
 ) -> KernelTerms:
     if not isinstance(config, spec.config_class):
@@ -206,3 +220,23 @@ def vespo_terms(
     return _kernel_terms(
         KERNELS["vespo"], log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights
     )
+
+
+def kernel_terms(
+    loss_name: str,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: ReSPOConfig | VESPOConfig | HybridConfig,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> KernelTerms:
+    """The terms of any kernel of :data:`KERNELS` by its loss name (the ablation kernels among them).
+
+    ``config`` must be the kernel's config class (:class:`KernelSpec`); shapes and checks as :func:`respo_terms`.
+    """
+    try:
+        spec = KERNELS[loss_name]
+    except KeyError:
+        raise ValueError(f"unknown kernel {loss_name!r}; choose from {', '.join(KERNELS)}") from None
+    return _kernel_terms(spec, log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights)

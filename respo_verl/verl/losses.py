@@ -1,4 +1,5 @@
-"""The ``respo`` and ``vespo`` policy losses, registered in verl's policy-loss registry.
+"""The ``respo`` and ``vespo`` policy losses, and the branch-ablation losses ``respo_pos``, ``respo_neg`` and
+``phi_one`` (docs/method.md, "Branch ablation"), registered in verl's policy-loss registry.
 
 verl's ``ppo_loss`` (every engine: FSDP, Megatron, ...) calls them by keyword with padded (B, T) tensors and the
 whole actor config. They normalise only through verl's ``agg_loss`` with ``config.global_batch_info``, so the
@@ -14,28 +15,33 @@ from typing import Any
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from respo_verl.core import diagnostic_keys, kernel_diagnostics, raise_on_nonfinite, respo_terms, vespo_terms
+from respo_verl.core import diagnostic_keys, kernel_diagnostics, raise_on_nonfinite
 from respo_verl.core.config import ReSPOConfig, VESPOConfig
-from respo_verl.core.losses import KernelTerms
+from respo_verl.core.kernels import HybridConfig
+from respo_verl.core.losses import ABLATION_KERNELS, KernelTerms, kernel_terms
 
-METRIC_PREFIX = {"respo": "actor/respo/", "vespo": "actor/vespo/"}
+METRIC_PREFIX = {name: f"actor/{name}/" for name in ("respo", "vespo", *ABLATION_KERNELS)}
 # When set (in the workers' environment, e.g. through Ray's runtime env), every call appends its sequences' log W, φ,
 # advantage and token count to this JSON-lines file (suffixed with the process's RANK): the demo's figure of the φ
 # each stale positive received. One extra host copy per call; off by default.
 TRACE_ENV = "RESPO_VERL_KERNEL_TRACE"
 
 
-def _kernel_config(config: Any, loss_name: str) -> ReSPOConfig | VESPOConfig:
-    expected = ReSPOConfig if loss_name == "respo" else VESPOConfig
+def _kernel_config(config: Any, loss_name: str) -> ReSPOConfig | VESPOConfig | HybridConfig:
+    """The kernel config ``loss_name`` reads from ``config.policy_loss``: ``respo``/``vespo`` their own block, the
+    hybrids both blocks (:class:`HybridConfig`), ``phi_one`` the ``respo`` block (its log W only)."""
     policy_loss = getattr(config, "policy_loss", None) if config is not None else None
-    kernel_config = getattr(policy_loss, loss_name, None)
-    if not isinstance(kernel_config, expected):
+    blocks = {"respo": ("respo",), "vespo": ("vespo",), "respo_pos": ("respo", "vespo"),
+              "respo_neg": ("respo", "vespo"), "phi_one": ("respo",)}[loss_name]  # fmt: skip
+    expected = {"respo": ReSPOConfig, "vespo": VESPOConfig}
+    found = [getattr(policy_loss, block, None) for block in blocks]
+    if not all(isinstance(value, expected[block]) for block, value in zip(blocks, found)):
         raise TypeError(
             f"loss_mode={loss_name!r} needs actor_rollout_ref.actor.policy_loss._target_="
             f"respo_verl.verl.config.ReSPOPolicyLossConfig (set by +algorithm={loss_name}); got policy_loss of type "
             f"{type(policy_loss).__name__}"
         )
-    return kernel_config
+    return HybridConfig(*found) if len(found) == 2 else found[0]
 
 
 def _global_batch_info(config: Any, mask: torch.Tensor) -> dict[str, Any]:
@@ -85,21 +91,11 @@ def _trace(path: str, loss_name: str, terms: KernelTerms) -> None:
         out.write(json.dumps(row) + "\n")
 
 
-@register_policy_loss("respo")
-def compute_policy_loss_respo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """ReSPO policy loss (arXiv 2609.35433): ℓ_it = −sg[φ(W_i)]·A_it·log π_θ(o_it), aggregated by ``agg_loss``.
+def _register(loss_name: str, doc: str):
+    """Register the policy loss ``loss_name`` (a kernel of ``respo_verl.core.losses.KERNELS``) with verl.
 
-    φ is the two-branch ReSPO kernel (``docs/method.md, "ReSPO kernels"``) of the clamped sequence weight W_i, chosen
-    by the sign of the sequence advantage; hyperparameters come from ``config.policy_loss.respo``.
+    Every kernel loss has one form, ℓ_it = −sg[φ(W_i)]·A_it·log π_θ(o_it) aggregated by ``agg_loss``, verl's
+    policy-loss signature, and its diagnostics (``docs/method.md, "Diagnostics"``) under ``actor/<loss_name>/``:
 
     Args:
         old_log_prob, log_prob, advantages: (B, T); ``log_prob`` carries the gradient.
@@ -108,32 +104,53 @@ def compute_policy_loss_respo(
         config: the actor config (``FSDPActorConfig``, ``McoreActorConfig``, ...).
         rollout_is_weights: optional (B, T) rollout-correction weights, folded into log W.
 
-    Returns:
-        ``(pg_loss, metrics)`` with the diagnostics of ``docs/method.md, "Diagnostics"`` under ``actor/respo/``.
+    Returns ``(pg_loss, metrics)``.
     """
-    terms = respo_terms(
-        log_prob, old_log_prob, advantages, response_mask, _kernel_config(config, "respo"), rollout_is_weights
-    )
-    return _finish("respo", terms, loss_agg_mode, config)
+
+    def compute_policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        kernel_config = _kernel_config(config, loss_name)
+        terms = kernel_terms(
+            loss_name, log_prob, old_log_prob, advantages, response_mask, kernel_config, rollout_is_weights
+        )
+        return _finish(loss_name, terms, loss_agg_mode, config)
+
+    compute_policy_loss.__name__ = compute_policy_loss.__qualname__ = f"compute_policy_loss_{loss_name}"
+    compute_policy_loss.__doc__ = doc + "\n\n" + "\n".join(_register.__doc__.splitlines()[2:])
+    return register_policy_loss(loss_name)(compute_policy_loss)
 
 
-@register_policy_loss("vespo")
-def compute_policy_loss_vespo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """VESPO policy loss (arXiv 2602.10693), the baseline: φ(W) = W^k·exp(λ(1−W)) per branch.
-
-    Same form, shapes and metrics as :func:`compute_policy_loss_respo`, under ``actor/vespo/``; hyperparameters
-    from ``config.policy_loss.vespo``.
-    """
-    terms = vespo_terms(
-        log_prob, old_log_prob, advantages, response_mask, _kernel_config(config, "vespo"), rollout_is_weights
-    )
-    return _finish("vespo", terms, loss_agg_mode, config)
+compute_policy_loss_respo = _register(
+    "respo",
+    """ReSPO policy loss (arXiv 2609.35433): φ is the two-branch ReSPO kernel (``docs/method.md, "ReSPO kernels"``)
+    of the clamped sequence weight W_i, chosen by the sign of the sequence advantage; hyperparameters from
+    ``config.policy_loss.respo``.""",
+)
+compute_policy_loss_vespo = _register(
+    "vespo",
+    """VESPO policy loss (arXiv 2602.10693), the baseline: φ(W) = W^k·exp(λ(1−W)) per branch; hyperparameters from
+    ``config.policy_loss.vespo``.""",
+)
+compute_policy_loss_respo_pos = _register(
+    "respo_pos",
+    """Branch ablation: ReSPO's positive kernel (``policy_loss.respo``) with VESPO's negative kernel
+    (``policy_loss.vespo``); log W formed as VESPO forms it (token log-ratios clamped to ±C, then the sum).""",
+)
+compute_policy_loss_respo_neg = _register(
+    "respo_neg",
+    """Branch ablation: VESPO's positive kernel (``policy_loss.vespo``) with ReSPO's negative kernel
+    (``policy_loss.respo``); log W formed as VESPO forms it.""",
+)
+compute_policy_loss_phi_one = _register(
+    "phi_one",
+    """Branch ablation: φ ≡ 1, the uncorrected sequence-level policy gradient ℓ_it = −A_it·log π_θ(o_it); log W
+    (ReSPO's formation, ``policy_loss.respo``) only feeds the diagnostics.""",
+)

@@ -24,11 +24,11 @@ from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGI
 from respo_verl.entry_points import INSTALL_HINT
 from respo_verl.routing.engine import REGISTRATION as ROUTE_DRIFT_ENGINES
 from respo_verl.verl import advantage as _advantage  # noqa: F401  (registers "respo" estimator)
-from respo_verl.verl import losses as _losses  # noqa: F401  (registers "respo", "vespo" losses)
+from respo_verl.verl import losses as _losses  # noqa: F401  (registers the POLICY_LOSSES)
 from respo_verl.verl import resolvers
 from respo_verl.verl.trainer import REGISTRATION as TRAINER
 
-POLICY_LOSSES = ("respo", "vespo")
+POLICY_LOSSES = ("respo", "vespo", "respo_pos", "respo_neg", "phi_one")
 ADVANTAGE_ESTIMATORS = ("respo",)
 ROUTE_DRIFT_ENGINES.apply()
 TRAINER.apply()

@@ -10,7 +10,18 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from respo_verl.core.config import KernelBranch, ReSPOConfig, VESPOConfig
-from respo_verl.core.kernels import respo_log_phi, respo_phi, sequence_log_weight, vespo_log_phi, vespo_phi
+from respo_verl.core.kernels import (
+    HybridConfig,
+    phi_one,
+    respo_log_phi,
+    respo_neg_phi,
+    respo_phi,
+    respo_pos_phi,
+    sequence_log_weight,
+    vespo_log_phi,
+    vespo_phi,
+)
+from respo_verl.core.losses import kernel_terms
 
 DEFAULTS = ReSPOConfig()
 W_GRID = (1e-8, 0.01, 0.1, 0.25, 0.5, 1.0, 2.0, 10.0, 100.0)
@@ -181,3 +192,61 @@ def test_vespo_token_clip_applies_before_the_sum():
     clipped, _ = sequence_log_weight(log_prob, old, mask, 20.0, token_log_ratio_clip=20.0)
     unclipped, _ = sequence_log_weight(log_prob, old, mask, 20.0)
     assert clipped.item() == 15.0 and unclipped.item() == 20.0
+
+
+# The branch ablation (docs/method.md, "Branch ablation"). Hand values of the four default branches at W = 0.1, 0.5, 2
+# from their closed forms (math, not the package): ReSPO φ+ = ((1+W)/2)·e^(1−W), ReSPO φ− = √W·e^(2(1−√W)),
+# VESPO φ+ = W²·e^(3(1−W)) (k = 2, λ = 3), VESPO φ− = W³·e^(2(1−W)) (k = 3, λ = 2).
+HAND_W = (0.1, 0.5, 2.0)
+RESPO_POS_HAND = (1.3527817111363225, 1.2365409530250961, 0.5518191617571635)
+RESPO_NEG_HAND = (1.2414150787217755, 1.2702488769156, 0.6176375177488974)
+VESPO_POS_HAND = (0.1487973172487284, 1.1204222675845161, 0.19914827347145578)
+VESPO_NEG_HAND = (0.006049647464412948, 0.33978522855738064, 1.0826822658929016)
+HYBRID = HybridConfig(ReSPOConfig(), VESPOConfig())
+
+
+@pytest.mark.parametrize(
+    ("kernel", "positive_values", "negative_values"),
+    [
+        (respo_pos_phi, RESPO_POS_HAND, VESPO_NEG_HAND),  # ReSPO's positive branch, VESPO's negative
+        (respo_neg_phi, VESPO_POS_HAND, RESPO_NEG_HAND),  # VESPO's positive branch, ReSPO's negative
+        (phi_one, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)),
+    ],
+    ids=["respo_pos", "respo_neg", "phi_one"],
+)
+def test_ablation_kernels_against_hand_values_on_both_branches(kernel, positive_values, negative_values):
+    log_w = torch.tensor(HAND_W * 2, dtype=torch.float64).log()
+    positive = torch.tensor([True] * 3 + [False] * 3)
+    got = kernel(log_w, positive, HYBRID)
+    expected = torch.tensor(positive_values + negative_values, dtype=torch.float64)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+    assert kernel(torch.zeros(2, dtype=torch.float64), torch.tensor([True, False]), HYBRID).tolist() == [1.0, 1.0]
+
+
+def test_hybrids_read_their_branch_parameters_from_the_two_configs():
+    config = HybridConfig(ReSPOConfig(alpha_pos=3.0, lambda_neg=1.0), VESPOConfig(k_pos=1.0, k_neg=2.0))
+    log_w = torch.tensor([math.log(0.5)] * 2, dtype=torch.float64)
+    positive = torch.tensor([True, False])
+    respo_pos = respo_pos_phi(log_w, positive, config)
+    respo_neg = respo_neg_phi(log_w, positive, config)
+    # ReSPO φ+ with α = 3, β = 0.5, λ = 2: φ0 = √((1 + W²)/2); VESPO φ− with k = 2, λ = 2.
+    phi0 = math.sqrt((1 + 0.25) / 2)
+    assert respo_pos.tolist() == pytest.approx([phi0 * math.exp(2 * (1 - phi0)), 0.25 * math.exp(1.0)], rel=1e-12)
+    # VESPO φ+ with k = 1, λ = 3; ReSPO φ− with α = 1, β = 0.5, λ = 1.
+    assert respo_neg.tolist() == pytest.approx(
+        [0.5 * math.exp(1.5), math.sqrt(0.5) * math.exp(1 - math.sqrt(0.5))], rel=1e-12
+    )
+
+
+def test_hybrids_form_log_w_as_vespo_does_and_phi_one_as_respo_does():
+    # One token log-ratio of +25 and one of −10: VESPO clamps the token to 20 before the sum (log W = 10), ReSPO
+    # sums unclamped (15).
+    log_prob = torch.tensor([[25.0, -10.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    adv = torch.ones(1, 2, dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for name, config, log_w in (("respo_pos", HYBRID, 10.0), ("respo_neg", HYBRID, 10.0),
+                                ("phi_one", ReSPOConfig(), 15.0)):  # fmt: skip
+        assert kernel_terms(name, log_prob, old, adv, mask, config).log_w_seq.item() == log_w, name
+    with pytest.raises(TypeError, match="expected a HybridConfig"):
+        kernel_terms("respo_pos", log_prob, old, adv, mask, ReSPOConfig())

@@ -28,7 +28,13 @@ EXPECTED = {
     "vespo": ("vespo", "token-mean", "respo", None, None),
     "grpo": ("vanilla", "token-mean", "grpo", 0.2, 0.2),
     "gspo": ("gspo", "seq-mean-token-mean", "grpo", 3e-4, 4e-4),
+    # The branch ablation (docs/method.md, "Branch ablation").
+    "respo_pos": ("respo_pos", "token-mean", "respo", None, None),
+    "respo_neg": ("respo_neg", "token-mean", "respo", None, None),
+    "phi_one": ("phi_one", "token-mean", "respo", None, None),
+    "grpo_noclip": ("vanilla", "token-mean", "grpo", 1.0, 1.0e9),
 }
+KERNEL_LOSSES = ("respo", "vespo", "respo_pos", "respo_neg", "phi_one")
 ACTOR_CLASS = {"dp": FSDPActorConfig, "megatron": McoreActorConfig}
 
 
@@ -61,7 +67,7 @@ def test_preset_composes_validates_and_converts(entry, algorithm, model_engine):
     actor_dc = omega_conf_to_dataclass(actor)
     assert type(actor_dc) is ACTOR_CLASS[model_engine]
     assert isinstance(omega_conf_to_dataclass(cfg.algorithm), AlgoConfig)
-    if algorithm in ("respo", "vespo"):
+    if algorithm in KERNEL_LOSSES:
         assert type(actor_dc.policy_loss) is ReSPOPolicyLossConfig
         assert actor_dc.policy_loss.respo == ReSPOConfig() and actor_dc.policy_loss.vespo == VESPOConfig()
         env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
@@ -80,14 +86,19 @@ def test_our_entry_point_defaults_to_respo():
     assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "respo"
 
 
-@pytest.mark.parametrize("algorithm, cls", [("respo", ReSPOConfig), ("vespo", VESPOConfig)])
-def test_yaml_defaults_equal_dataclass_defaults(algorithm, cls):
-    node = OmegaConf.load(CONF_DIR / "algorithm" / f"{algorithm}.yaml").actor_rollout_ref.actor.policy_loss
-    yaml_values = {k: v for k, v in OmegaConf.to_container(node[algorithm]).items() if k != "_target_"}
+@pytest.mark.parametrize(
+    "preset, block, cls",
+    [("respo", "respo", ReSPOConfig), ("vespo", "vespo", VESPOConfig), ("phi_one", "respo", ReSPOConfig)]
+    + [(hybrid, block, cls) for hybrid in ("respo_pos", "respo_neg")
+       for block, cls in (("respo", ReSPOConfig), ("vespo", VESPOConfig))],
+)  # fmt: skip
+def test_yaml_defaults_equal_dataclass_defaults(preset, block, cls):
+    node = OmegaConf.load(CONF_DIR / "algorithm" / f"{preset}.yaml").actor_rollout_ref.actor.policy_loss
+    yaml_values = {k: v for k, v in OmegaConf.to_container(node[block]).items() if k != "_target_"}
     yaml_values.pop("rollout_is_level")  # an interpolation, checked below
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "rollout_is_level"}
     assert yaml_values == defaults
-    assert node[algorithm]["_target_"] == f"{cls.__module__}.{cls.__name__}"
+    assert node[block]["_target_"] == f"{cls.__module__}.{cls.__name__}"
 
 
 @pytest.mark.parametrize("algorithm", ["respo", "vespo"])

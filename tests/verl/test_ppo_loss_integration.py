@@ -1,4 +1,5 @@
-"""The ``respo``/``vespo`` losses through verl's real ``ppo_loss``, as every verl engine calls it.
+"""The ``respo``/``vespo`` losses and the branch-ablation losses through verl's real ``ppo_loss``, as every verl engine
+calls it; the ``grpo_noclip`` preset's vanilla loss without any clip acting.
 
 The micro-batches are built the way verl's engines hand them to ``ppo_loss``: padded ``prompts``/``responses`` with an
 ``attention_mask`` (left-padded prompt, right-padded response), padded ``response_mask``/``old_log_probs``/
@@ -26,7 +27,7 @@ from verl.workers.utils.losses import ppo_loss
 from respo_verl.core import diagnostic_keys, respo_phi
 from respo_verl.verl.losses import METRIC_PREFIX
 
-LOSSES = ("respo", "vespo")
+LOSSES = ("respo", "vespo", "respo_pos", "respo_neg", "phi_one")
 # Every mode of verl's agg_loss, each with the loss_scale_factor it is used with (None: verl's default).
 AGG_MODES = (
     ("token-mean", None),
@@ -221,18 +222,28 @@ def _sequence_log_weight(batch: MiniBatch, log_w_clip: float, token_clip: float 
     return log_w.clamp(-log_w_clip, log_w_clip)
 
 
+def _vespo_closed_form(w: torch.Tensor, k: float, lam: float) -> torch.Tensor:
+    return w**k * torch.exp(lam * (1.0 - w))
+
+
 def _expected_phi(loss: str, config, batch: MiniBatch) -> torch.Tensor:
     positive = batch.adv_seq >= 0  # (B,)
+    respo, vespo = config.policy_loss.respo, config.policy_loss.vespo
     if loss == "respo":
-        kernel = config.policy_loss.respo
-        log_w = _sequence_log_weight(batch, kernel.log_w_clip, None)
-        return respo_phi(log_w, positive, kernel)  # (B,)
-    # VESPO in closed form, φ(W) = W^k·exp(λ(1 − W)), not through the package's kernels.
-    kernel = config.policy_loss.vespo
-    w = _sequence_log_weight(batch, kernel.log_w_clip, kernel.log_w_clip).exp()  # (B,)
-    k = torch.where(positive, kernel.k_pos, kernel.k_neg)
-    lam = torch.where(positive, kernel.lambda_pos, kernel.lambda_neg)
-    return w**k * torch.exp(lam * (1.0 - w))
+        log_w = _sequence_log_weight(batch, respo.log_w_clip, None)
+        return respo_phi(log_w, positive, respo)  # (B,)
+    if loss == "phi_one":
+        return torch.ones(BATCH_SIZE, dtype=torch.float64)
+    # VESPO in closed form, φ(W) = W^k·exp(λ(1 − W)), not through the package's kernels; the hybrids form log W as
+    # VESPO does (token clamp) and take ReSPO's default branches in closed form (docs/method.md §4.3).
+    w = _sequence_log_weight(batch, vespo.log_w_clip, vespo.log_w_clip).exp()  # (B,)
+    vespo_pos = _vespo_closed_form(w, vespo.k_pos, vespo.lambda_pos)
+    vespo_neg = _vespo_closed_form(w, vespo.k_neg, vespo.lambda_neg)
+    respo_pos = (1 + w) / 2 * torch.exp(1 - w)
+    respo_neg = w.sqrt() * torch.exp(2 * (1 - w.sqrt()))
+    pos, neg = {"vespo": (vespo_pos, vespo_neg), "respo_pos": (respo_pos, vespo_neg),
+                "respo_neg": (vespo_pos, respo_neg)}[loss]  # fmt: skip
+    return torch.where(positive, pos, neg)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -243,7 +254,27 @@ def test_token_mean_gradient_is_minus_phi_times_advantage_over_batch_tokens(mode
     grad, _, _ = _accumulate(batch, config, n_micro)
 
     phi = _expected_phi(loss, config, batch)  # (B,)
-    assert torch.all(phi > 0) and not torch.allclose(phi, torch.ones_like(phi)), "the kernel must reshape W"
+    assert torch.all(phi > 0)
+    assert (loss == "phi_one") == torch.allclose(phi, torch.ones_like(phi)), "every kernel but φ ≡ 1 reshapes W"
     expected_tok = -phi.unsqueeze(-1) * batch.adv_seq.unsqueeze(-1) / batch.num_tokens  # (B, 1)
     expected = torch.where(batch.response_mask, expected_tok.expand_as(grad), 0.0)  # (B, T)
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("n_micro", [1, 4])
+def test_grpo_noclip_gradient_is_minus_the_token_ratio_times_advantage(model_engine, n_micro):
+    """verl's vanilla loss under the grpo_noclip preset: neither the PPO clip (A > 0, r > 1 + ε) nor the dual clip
+    (A < 0, r > c) acts at r = e^6 on every response's first token, so the gradient on every token is −r_t·A/n with
+    r_t = exp(log π − log μ); the grpo preset clips the same batch."""
+    batch = MiniBatch(seed=3)
+    with torch.no_grad():
+        batch.log_prob[:, 0] = batch.old_log_prob[:, 0] + 6.0  # column 0 is valid in every row
+    ratio = torch.where(batch.response_mask, (batch.log_prob.detach() - batch.old_log_prob).exp(), 0.0)  # (B, T)
+    expected = torch.where(batch.response_mask, -ratio * batch.adv_seq.unsqueeze(-1) / batch.num_tokens, 0.0)
+    config = actor_config(model_engine, "grpo_noclip")
+    assert config.policy_loss.loss_mode == "vanilla" and config.loss_agg_mode == "token-mean"
+    assert (config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c) == (1.0, 1e9, 1e9)
+    grad, _, _ = _accumulate(batch, config, n_micro)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-15)
+    clipped, _, _ = _accumulate(batch, actor_config(model_engine, "grpo"), n_micro)
+    assert not torch.allclose(clipped, expected)

@@ -1,4 +1,5 @@
-"""The registered `respo` / `vespo` losses as verl calls them: metrics, bad input, edge cases, host syncs."""
+"""The registered `respo` / `vespo` losses and the branch-ablation losses (`respo_pos`, `respo_neg`, `phi_one`) as verl
+calls them: metrics, bad input, edge cases, host syncs."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from respo_verl.core import diagnostic_keys
 
+KERNEL_LOSSES = ["respo", "vespo", "respo_pos", "respo_neg", "phi_one"]
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 @pytest.fixture(scope="module")
 def configs():
-    return {(engine, algo): actor_config(engine, algo) for engine in ("dp", "megatron") for algo in ("respo", "vespo")}
+    return {(engine, algo): actor_config(engine, algo) for engine in ("dp", "megatron") for algo in KERNEL_LOSSES}
 
 
 def batch(seed=0, size=8, length=16, dtype=torch.float32):
@@ -36,7 +38,7 @@ def call(name, cfg, data, agg="token-mean", **extra):
 
 
 @pytest.mark.parametrize("engine", ["dp", "megatron"])
-@pytest.mark.parametrize("name", ["respo", "vespo"])
+@pytest.mark.parametrize("name", KERNEL_LOSSES)
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_every_agg_mode_gives_a_finite_loss_and_the_same_metric_keys(configs, engine, name, agg):
     expected = {f"actor/{name}/{k}" for k in diagnostic_keys()}
@@ -47,7 +49,7 @@ def test_every_agg_mode_gives_a_finite_loss_and_the_same_metric_keys(configs, en
         assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
 
 
-@pytest.mark.parametrize("name", ["respo", "vespo"])
+@pytest.mark.parametrize("name", KERNEL_LOSSES)
 @pytest.mark.parametrize("field", ["log_prob", "old_log_prob", "advantages"])
 def test_non_finite_input_stops_with_the_tensor_and_count(configs, name, field):
     data = batch()
@@ -74,7 +76,7 @@ def test_half_precision_inputs(configs, dtype):
     assert data["log_prob"].grad.dtype == dtype
 
 
-@pytest.mark.parametrize("name", ["respo", "vespo"])
+@pytest.mark.parametrize("name", KERNEL_LOSSES)
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_degenerate_micro_batches_give_finite_loss_and_metrics(configs, name, agg):
     cfg = configs["dp", name]
@@ -101,8 +103,17 @@ def test_missing_kernel_config_names_the_fix():
 
     cfg = actor_config("dp", "grpo")
     assert type(cfg.policy_loss) is PolicyLossConfig
-    with pytest.raises(TypeError, match=r"policy_loss._target_=respo_verl.verl.config.ReSPOPolicyLossConfig"):
-        call("respo", cfg, batch())
+    for name in KERNEL_LOSSES:
+        with pytest.raises(TypeError, match=r"policy_loss._target_=respo_verl.verl.config.ReSPOPolicyLossConfig"):
+            call(name, cfg, batch())
+
+
+def test_ablation_losses_are_registered_and_their_presets_select_them(configs):
+    from respo_verl.verl import losses
+
+    for name in ("respo_pos", "respo_neg", "phi_one"):
+        assert get_policy_loss_fn(name) is getattr(losses, f"compute_policy_loss_{name}")
+        assert configs["dp", name].policy_loss.loss_mode == name
 
 
 class _SyncCounter(TorchDispatchMode):
@@ -128,7 +139,7 @@ class _SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name", ["respo", "vespo"])
+@pytest.mark.parametrize("name", KERNEL_LOSSES)
 def test_one_host_synchronisation_per_call(configs, name, monkeypatch):
     cfg = configs["megatron", name]
     cfg.global_batch_info.update(dp_size=1, batch_num_tokens=64, global_batch_size=8, loss_scale_factor=None)
@@ -147,3 +158,28 @@ def test_one_host_synchronisation_per_call(configs, name, monkeypatch):
         assert len(tolist_calls) == 1
     finally:
         cfg.global_batch_info.clear()
+
+
+@pytest.mark.parametrize("entry", ["respo", "verl"])
+@pytest.mark.parametrize("algorithm", ["respo_pos", "respo_neg", "phi_one", "grpo_noclip"])
+def test_ablation_presets_compose_validate_and_carry_the_default_kernels(entry, algorithm):
+    from conftest import CPU_COMPOSE_OVERRIDES, compose
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from respo_verl.core.config import ReSPOConfig, VESPOConfig
+
+    choice = f"algorithm={algorithm}" if entry == "respo" else f"+algorithm={algorithm}"
+    cfg = compose([choice, *CPU_COMPOSE_OVERRIDES], entry=entry)
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.loss_agg_mode == "token-mean" and not actor.use_kl_loss and actor.entropy_coeff == 0
+    assert actor.ppo_epochs == 1 and not cfg.algorithm.use_kl_in_reward
+    if algorithm == "grpo_noclip":
+        assert (actor.policy_loss.loss_mode, cfg.algorithm.adv_estimator) == ("vanilla", "grpo")
+        assert (actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (
+            1e9, 1.0, 1e9, 1e9)  # fmt: skip
+        return
+    assert (actor.policy_loss.loss_mode, cfg.algorithm.adv_estimator) == (algorithm, "respo")
+    # The YAML repeats the dataclass defaults (the same check as tests/verl/test_configs.py for respo / vespo).
+    assert actor.policy_loss.respo == ReSPOConfig() and actor.policy_loss.vespo == VESPOConfig()
