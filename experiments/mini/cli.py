@@ -7,9 +7,10 @@ algorithm with one RL seed per warm start; then, at the common learning rate (ch
 the rates in the paper's regime), ReSPO and VESPO with 8 seeds (2 warm starts × 4 RL seeds) at N = 32 and 2 seeds at
 N ∈ {8, 16}
 (``experiments.mini.protocol``). Every run prints and logs the regime checks (``experiments.mini.regime``); the scores
-are ``respo-verl report``'s (late = last 128 updates). ``--ablate``: the branch ablation (ReSPO, VESPO, the two
-branch hybrids, φ ≡ 1, GRPO without clipping) at N = 32 and the verdict's common rate with its 8 paired seeds, and the
-gap ReSPO − VESPO decomposed by branch with paired intervals; it resumes, skipping runs already complete in --out.
+are ``respo-verl report``'s (late = last 128 updates). ``--grid NAME`` runs a named grid of
+``experiments.mini.protocol.GRIDS`` at the verdict's common rate and seeds, with paired intervals, skipping runs
+already complete in --out: ``ablate`` (also ``--ablate``), the branch ablation; ``trend``, N ∈ {8, 16, 32}; ``horizon``,
+the paper's 1024 updates with held-out problems scored at the end.
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--full", action="store_true", help="the protocol's full grid (learning rates, N, 8 seeds)")
     parser.add_argument(
-        "--ablate",
-        action="store_true",
-        help="the branch ablation at N = 32 and the common rate, 8 paired seeds (--seeds to reduce); resumes",
+        "--grid",
+        choices=sorted(protocol.GRIDS),
+        default=None,
+        help="a named grid at the verdict's common rate, resumable (--seeds reduces it): "
+        + "; ".join(f"{g.name}: {g.about}" for g in protocol.GRIDS.values()),
     )
+    parser.add_argument("--ablate", action="store_true", help="the same as --grid ablate")
     parser.add_argument(
         "--resume", action="store_true", help="skip runs whose log and result are complete in --out (--ablate: always)"
     )
@@ -125,21 +129,33 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.routing_replay and not args.moe:
         raise UsageError("--routing-replay replays the experts of an MoE model: it needs --moe")
     if args.ablate:
+        if args.grid not in (None, "ablate"):
+            raise UsageError(f"--ablate is --grid ablate: it takes no --grid {args.grid}")
+        args.grid = "ablate"
+    if args.grid is not None:
+        flag = "--ablate" if args.ablate else f"--grid {args.grid}"
         if args.full or any(v is not None for v in (args.algos, args.reuse, args.lr, args.optimizer_steps)):
             raise UsageError(
-                "--ablate runs the ablation's grid: it takes no --full, --algos, --reuse, --lr or --optimizer-steps "
+                f"{flag} runs the {args.grid} grid: it takes no --full, --algos, --reuse, --lr or --optimizer-steps "
                 "(--seeds reduces it)"
             )
         if args.moe:
-            raise UsageError("--ablate runs the dense model of the verdict: it takes no --moe")
-        args.algos = list(protocol.ABLATION)
-        args.reuse, args.lr = [protocol.GRID_REUSE], [protocol.ABLATION_LR]
-        args.seeds = list(args.seeds or protocol.FULL_SEEDS)
-        args.optimizer_steps = protocol.FULL_OPTIMIZER_STEPS
+            raise UsageError(f"{flag} runs the dense model of the verdict: it takes no --moe")
+        grid = protocol.GRIDS[args.grid]
+        args.runs = grid.runs(tuple(args.seeds) if args.seeds else None)
+        if not args.runs:
+            raise UsageError(f"--seeds {','.join(map(str, args.seeds))}: the {args.grid} grid has no run with them")
+        args.algos = sorted({a for a, _, _, _ in args.runs}, key=algorithms.order)
+        args.reuse, args.lr = sorted({n for _, n, _, _ in args.runs}), [protocol.ABLATION_LR]
+        args.seeds = sorted({s for _, _, _, s in args.runs})
+        args.optimizer_steps = grid.optimizer_steps
+        args.held_out = grid.held_out
         args.resume = True
+    else:
+        args.held_out = False
     ablations = [a for a in args.algos or () if a in algorithms.ABLATIONS]
-    if ablations and not args.ablate:
-        raise UsageError(f"{', '.join(ablations)}: the ablation presets run through --ablate")
+    if ablations and args.grid is None:
+        raise UsageError(f"{', '.join(ablations)}: the ablation presets run through --grid ablate (--ablate)")
     args.algos = list(args.algos or algorithms.ALGORITHMS)
     if args.full and any(v is not None for v in (args.reuse, args.seeds, args.lr, args.optimizer_steps)):
         raise UsageError("--full runs the protocol's grid: it takes no --reuse, --seeds, --lr or --optimizer-steps")
@@ -240,6 +256,7 @@ class _Session:
                 lr,
                 warm_seed=protocol.warm_seed(seed),
                 routing_replay=a.routing_replay,
+                held_out=a.held_out,
             )
             for algo, n, lr, seed in runs
         ]
@@ -294,22 +311,26 @@ def _run_listed(session: _Session) -> tuple[list, dict[str, list], str]:
     return done, views, ""
 
 
-def _run_ablation(session: _Session) -> tuple[list, list[str]]:
-    """The branch ablation: every method of ``protocol.ABLATION`` × the seeds, then its table."""
+def _run_grid(session: _Session) -> tuple[list, list[str]]:
+    """A named grid (``protocol.GRIDS``): its runs, skipping those complete in --out, then its tables."""
     args = session.args
-    runs = [(a, protocol.GRID_REUSE, protocol.ABLATION_LR, s) for s in args.seeds for a in args.algos]
-    cfgs = session.configs(runs)
+    grid = protocol.GRIDS[args.grid]
+    cfgs = session.configs(args.runs)
     todo = sum(experiment.completed(job) is None for job in session.jobs(cfgs))
-    estimate = math.ceil(todo / args.workers) * protocol.RUN_SECONDS_ESTIMATE
+    per_run = protocol.RUN_SECONDS_ESTIMATE * grid.optimizer_steps / protocol.FULL_OPTIMIZER_STEPS
     print(
-        f"ablation: {len(cfgs)} runs ({todo} to do, {len(cfgs) - todo} complete) on {args.workers} worker(s); "
-        f"estimated {estimate / 60:.0f} min ({protocol.RUN_SECONDS_ESTIMATE:.0f} s per run per worker)",
+        f"{grid.name}: {len(cfgs)} runs ({todo} to do, {len(cfgs) - todo} complete) on {args.workers} worker(s); "
+        f"estimated {grid.estimate_s(todo, args.workers) / 60:.0f} min ({per_run:.0f} s per run per worker)",
         flush=True,
     )
     done = session.execute(cfgs)
-    table = summary.ablation_markdown(
-        summary.late_by_seed(done, session.out), protocol.ABLATION_LR, protocol.GRID_REUSE
-    )
+    scores = summary.scores_by_seed(done)
+    if grid.name == "ablate":
+        table = summary.ablation_markdown(
+            {a: v["late"] for (a, _), v in scores.items()}, protocol.ABLATION_LR, protocol.GRID_REUSE
+        )
+    else:
+        table = summary.grid_markdown(grid, scores)
     return done, table
 
 
@@ -329,12 +350,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     start = time.perf_counter()
     with logging_redirect_tqdm():
         session.warm_start()
-        if args.ablate:
-            done, table = _run_ablation(session)
+        if args.grid is not None:
+            done, table = _run_grid(session)
         else:
             done, views, chosen = (_run_full if args.full else _run_listed)(session)
-    if args.ablate:
-        return _finish_ablation(session, done, table, time.perf_counter() - start)
+    if args.grid is not None:
+        return _finish_grid(session, done, table, time.perf_counter() - start)
     write_manifest([r for r, _ in session.records(done)], out)
     wall = time.perf_counter() - start
     sections = summary.results_markdown(argv, session.host, args.threads, args.workers, done, wall)
@@ -352,12 +373,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _finish_ablation(session: _Session, done: list, table: list[str], wall: float) -> int:
-    """results.md and summary.json of an ablation. No manifest or report views: the run manifest
+def _finish_grid(session: _Session, done: list, table: list[str], wall: float) -> int:
+    """results.md and summary.json of a named grid. No manifest or report views: the run manifest
     (``respo_verl.tools.runs.manifest``) admits only ``algorithms.ALGORITHMS``, not the ablation presets."""
     out, args = session.out, session.args
     sections = summary.results_markdown(session.argv, session.host, args.threads, args.workers, done, wall)
-    sections += ["## Branch ablation", "", *table]
+    sections += [f"## {protocol.GRIDS[args.grid].about[0].upper()}{protocol.GRIDS[args.grid].about[1:]}", "", *table]
     results = "\n".join(sections)
     (out / "results.md").write_text(results)
     runs = [r.as_dict() for _, r in done]

@@ -255,9 +255,14 @@ def _execute_in_workers(jobs: list[Job], workers: int, bar) -> list[JobResult]:
     return results
 
 
+LATER_OPTIONS = {"held_out": False}
+
+
 def config_hash(cfg) -> str:
     """Everything that defines a setting except its seeds: the seeds of one setting share the hash."""
     setting = {k: v for k, v in asdict(cfg).items() if k not in ("seed", "warm_seed")}
+    # Options added after runs were made are left out at their default, so those runs keep their hash.
+    setting = {k: v for k, v in setting.items() if not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])}
     return hashlib.sha256(json.dumps(setting, sort_keys=True, default=str).encode()).hexdigest()
 
 

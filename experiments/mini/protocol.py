@@ -28,8 +28,10 @@ The late score is ``respo-verl report``'s: mean (reward + 1)/2 over the last 128
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the regime module imports torch; the CLI reads the protocol before it needs torch
@@ -55,8 +57,77 @@ ABLATION = ("respo", "vespo", "respo_pos", "respo_neg", "phi_one", "grpo_noclip"
 # The common rate --full chose and the verdict's 16 runs used (docs/mini.md, "--full, measured: the verdict").
 ABLATION_LR = 4e-4
 # Measured wall time of one 192-update run at N = 32 on the 2-CPU AMD EPYC with another job on the machine
-# (`--algos respo --seeds 0`: 109 s); the estimate printed before an ablation assumes each worker takes this long.
+# (`--algos respo --seeds 0`: 109 s); the estimate printed before a named grid assumes each worker takes this long
+# per 192 updates (the cost of a run is its number of updates: at every N a run samples 192/N rollout batches of
+# MINIBATCH_PROMPTS·N prompts).
 RUN_SECONDS_ESTIMATE = 110.0
+# The paper's horizon: 1024 updates, scored on the last 128 (docs/mini.md, "Pre-registered analysis").
+HORIZON_OPTIMIZER_STEPS = 1024
+TREND = ("respo", "vespo", "respo_pos")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A named grid of ``python -m experiments.mini --grid <name>``, at the verdict's common rate ABLATION_LR.
+
+    Attributes:
+        name: the ``--grid`` choice.
+        cells: (algorithm, N values, RL seeds) triples.
+        optimizer_steps: updates per run.
+        held_out: the runs train without the held-out problems and score the final policy on them.
+        about: one line for ``--help`` and the summary.
+    """
+
+    name: str
+    cells: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+    optimizer_steps: int
+    held_out: bool
+    about: str
+
+    def runs(self, seeds: tuple[int, ...] | None = None) -> list[tuple[str, int, float, int]]:
+        """``(algorithm, N, lr, seed)`` of the grid, seed-major (the first seeds complete first); ``seeds`` keeps
+        only those RL seeds."""
+        keep = set(FULL_SEEDS if seeds is None else seeds)
+        all_seeds = sorted({s for _, _, cell_seeds in self.cells for s in cell_seeds if s in keep})
+        return [
+            (algorithm, n, ABLATION_LR, s)
+            for s in all_seeds
+            for n in sorted({n for _, ns, _ in self.cells for n in ns})
+            for algorithm, ns, cell_seeds in self.cells
+            if n in ns and s in cell_seeds
+        ]
+
+    def estimate_s(self, runs: int, workers: int) -> float:
+        return math.ceil(runs / workers) * RUN_SECONDS_ESTIMATE * self.optimizer_steps / FULL_OPTIMIZER_STEPS
+
+
+GRIDS = {
+    grid.name: grid
+    for grid in (
+        Grid(
+            "ablate",
+            tuple((a, (GRID_REUSE,), FULL_SEEDS) for a in ABLATION),
+            FULL_OPTIMIZER_STEPS,
+            False,
+            "the branch ablation: ReSPO, VESPO, both branch hybrids, φ ≡ 1, GRPO unclipped at N = 32, 8 paired seeds",
+        ),
+        Grid(
+            "trend",
+            tuple((a, FULL_REUSE, FULL_SEEDS) for a in TREND),
+            FULL_OPTIMIZER_STEPS,
+            False,
+            "the N trend: ReSPO, VESPO and ReSPO's positive branch at N = 8, 16, 32, 8 paired seeds",
+        ),
+        Grid(
+            "horizon",
+            (("respo", (GRID_REUSE,), FULL_SEEDS), ("vespo", (GRID_REUSE,), FULL_SEEDS),
+             ("grpo", (GRID_REUSE,), FULL_SEEDS[: N_WARM_STARTS * 2])),
+            HORIZON_OPTIMIZER_STEPS,
+            True,
+            "the paper's horizon: 1024 updates at N = 32, ReSPO and VESPO 8 seeds, GRPO 4, held-out problems scored",
+        ),
+    )
+}  # fmt: skip
 
 
 def warm_seed(seed: int) -> int:

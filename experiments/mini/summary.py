@@ -180,8 +180,17 @@ ABLATION_GAPS = (
 )
 
 
-def late_by_seed(done, out: Path) -> dict[str, dict[int, float]]:
-    """algorithm → RL seed → late score in [0, 1] (``respo-verl report``'s: last 128 updates), from the logs.
+STARVED_KEY = "mini/diag/starved_mass_share"
+EVAL_KEY = "mini/eval/score"
+
+
+def scores_by_seed(done) -> dict[tuple[str, int], dict[str, dict[int, float]]]:
+    """(algorithm, N) → measure → RL seed → value, from the runs' logs.
+
+    The measures: ``late``, ``respo-verl report``'s late score in [0, 1] (mean over the last 128 updates);
+    ``starved``, the method-independent starved mass share (:data:`STARVED_KEY`, the share of gradient mass on
+    positives with log W < −1, whatever the loss) averaged over every update of the run; ``eval``, the held-out score
+    of the final policy where the run has one (:data:`EVAL_KEY`).
 
     Args:
         done: (RunConfig, JobResult) pairs.
@@ -189,18 +198,115 @@ def late_by_seed(done, out: Path) -> dict[str, dict[int, float]]:
     from respo_verl.tools.runs.logs import read_log
     from respo_verl.tools.runs.stats import score_curve, window_stats
 
-    scores: dict[str, dict[int, float]] = defaultdict(dict)
+    scores: dict[tuple[str, int], dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for cfg, result in done:
-        curve, _ = score_curve(read_log(Path(result.log)), cfg.reuse, "optimizer")
-        scores[cfg.algorithm][cfg.seed] = window_stats(curve).late
-    return dict(scores)
+        log = read_log(Path(result.log))
+        cell = scores[(cfg.algorithm, cfg.reuse)]
+        curve, _ = score_curve(log, cfg.reuse, "optimizer")
+        cell["late"][cfg.seed] = window_stats(curve).late
+        starved = [v for v in log.series(STARVED_KEY).values() if math.isfinite(v)]
+        if starved:
+            cell["starved"][cfg.seed] = statistics.fmean(starved)
+        evaluated = log.series(EVAL_KEY)
+        if evaluated:
+            cell["eval"][cfg.seed] = evaluated[max(evaluated)]
+    return {key: dict(value) for key, value in scores.items()}
+
+
+def sign_flip_p(diffs: list[float]) -> float:
+    """Exact two-sided sign-flip permutation p-value of mean(diffs) = 0: the share of the 2^n sign assignments whose
+    |mean| is at least the observed one (the pairs are exchangeable under no difference). ValueError when empty or
+    with more than 20 pairs (2^20 assignments)."""
+    import itertools
+
+    if not diffs or len(diffs) > 20:
+        raise ValueError(f"the exact sign-flip test takes 1 to 20 paired differences, got {len(diffs)}")
+    observed = abs(statistics.fmean(diffs)) - 1e-12 * max(1.0, max(abs(d) for d in diffs))
+    flips = itertools.product((1.0, -1.0), repeat=len(diffs))
+    extreme = sum(abs(statistics.fmean(s * d for s, d in zip(signs, diffs))) >= observed for signs in flips)
+    return extreme / 2 ** len(diffs)
+
+
+def paired_row(label: str, a: dict[int, float], b: dict[int, float]) -> str:
+    """One markdown row of ``a − b`` in pp over their common seeds: mean, paired 95 % t interval, sign-flip p, the
+    mean per warm start (the hierarchy: seeds of one warm start share a base model), per seed."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        raise ValueError(f"{label}: no seed has both values")
+    diffs = [100 * (a[s] - b[s]) for s in seeds]
+    d = paired_difference(diffs, [0.0] * len(diffs))
+    per_warm = defaultdict(list)
+    for s, x in zip(seeds, diffs):
+        per_warm[protocol.warm_seed(s)].append(x)
+    warm = ", ".join(f"w{w}: {statistics.fmean(v):+.2f}" for w, v in sorted(per_warm.items()))
+    return (
+        f"| {label} | {len(seeds)} | {d.mean:+.2f} | [{d.low:+.2f}, {d.high:+.2f}] | {sign_flip_p(diffs):.3f} "
+        f"| {warm} | {', '.join(f'{x:+.2f}' for x in diffs)} |"
+    )
+
+
+PAIRED_HEADER = (
+    "| difference | pairs | mean (pp) | paired 95 % t interval (pp) | sign-flip p | mean per warm start (pp) "
+    "| per seed (pp) |",
+    "|---|---:|---:|---|---:|---|---|",
+)
+
+
+def grid_markdown(grid: protocol.Grid, scores: dict[tuple[str, int], dict[str, dict[int, float]]]) -> list[str]:
+    """The tables of the trend and horizon grids: per (method, N) the late score, the method-independent starved
+    mass and the held-out score (mean ± sd over seeds), then the paired differences to VESPO at each N (and, for the
+    trend, the change of ReSPO − VESPO from N = 8 to N = 32, paired over seeds)."""
+    from respo_verl import algorithms
+
+    def mean_sd(values: dict[int, float], scale: float = 100.0) -> str:
+        if not values:
+            return "—"
+        xs = [scale * v for v in values.values()]
+        sd = statistics.stdev(xs) if len(xs) > 1 else math.nan
+        return f"{statistics.fmean(xs):.2f} ± {sd:.2f}"
+
+    held_out = any(cell.get("eval") for cell in scores.values())
+    lines = [
+        f"{grid.about}; lr {protocol.ABLATION_LR:g}, {grid.optimizer_steps} updates per run, late = the last "
+        "128 updates; starved mass: the method-independent share of gradient mass on positives with log W < −1, "
+        "mean over the run's updates.",
+        "",
+        "| method | N | runs | late score (%) | starved mass (%) |" + (" held-out score (%) |" if held_out else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|" if held_out else ""),
+    ]
+    keys = sorted(scores, key=lambda k: (k[1], algorithms.order(k[0])))
+    for algorithm, n in keys:
+        cell = scores[(algorithm, n)]
+        row = f"| {algorithms.display_name(algorithm)} | {n} | {len(cell['late'])} | {mean_sd(cell['late'])} "
+        row += f"| {mean_sd(cell.get('starved', {}))} |"
+        lines.append(row + (f" {mean_sd(cell.get('eval', {}))} |" if held_out else ""))
+    lines += ["", *PAIRED_HEADER]
+    baseline = algorithms.BASELINE
+    for measure in ("late", "eval") if held_out else ("late",):
+        for algorithm, n in keys:
+            if algorithm == baseline or (baseline, n) not in scores or measure not in scores[(algorithm, n)]:
+                continue
+            label = f"{algorithms.display_name(algorithm)} − VESPO, N = {n}" + (
+                ", held-out" if measure == "eval" else ""
+            )
+            lines.append(paired_row(label, scores[(algorithm, n)][measure], scores[(baseline, n)][measure]))
+    ns = sorted({n for _, n in scores})
+    if len(ns) > 1 and all(("respo", n) in scores and (baseline, n) in scores for n in (ns[0], ns[-1])):
+        lo, hi = ns[0], ns[-1]
+
+        def gap(n: int) -> dict[int, float]:
+            a, b = scores[("respo", n)]["late"], scores[(baseline, n)]["late"]
+            return {s: a[s] - b[s] for s in set(a) & set(b)}
+
+        lines.append(paired_row(f"(ReSPO − VESPO at N = {hi}) − (at N = {lo})", gap(hi), gap(lo)))
+    return [*lines, ""]
 
 
 def ablation_markdown(late: dict[str, dict[int, float]], lr: float, reuse: int) -> list[str]:
     """The ablation's table (late score per method, mean over seeds) and its paired gap decomposition.
 
     Args:
-        late: :func:`late_by_seed`.
+        late: algorithm → RL seed → late score in [0, 1] (the ``late`` measure of :func:`scores_by_seed`).
         lr, reuse: the runs' learning rate and N, for the caption.
     """
     from respo_verl import algorithms

@@ -91,9 +91,39 @@ class Prompts:
 
 def sample_prompts(n: int, generator: torch.Generator) -> Prompts:
     """``n`` prompts of N_DIGITS digits ~ U{0..MAX_DIGIT}."""
-    digits = torch.randint(0, MAX_DIGIT + 1, (n, N_DIGITS), generator=generator)  # (P, K)
+    return prompts_of(torch.randint(0, MAX_DIGIT + 1, (n, N_DIGITS), generator=generator))
+
+
+def prompts_of(digits: torch.Tensor) -> Prompts:
+    """The prompts of given problems, (P, N_DIGITS) digits."""
+    n = digits.shape[0]
     input_ids = torch.cat([torch.full((n, 1), BOS), digit(digits), torch.full((n, 1), EQ)], dim=1)  # (P, PROMPT_LEN)
     return Prompts(input_ids, torch.ones_like(input_ids), digits)
+
+
+N_PROBLEMS = (MAX_DIGIT + 1) ** N_DIGITS
+N_HELD_OUT = N_PROBLEMS // 5
+HELD_OUT_SEED = 2609
+
+
+def problem_digits(ids: torch.Tensor) -> torch.Tensor:
+    """(P,) problem ids in [0, N_PROBLEMS) → (P, N_DIGITS) digits (the id written in base MAX_DIGIT + 1)."""
+    base = MAX_DIGIT + 1
+    powers = base ** torch.arange(N_DIGITS - 1, -1, -1)  # (K,)
+    return ids.unsqueeze(1) // powers % base
+
+
+def held_out_problems() -> torch.Tensor:
+    """The ids of the :data:`N_HELD_OUT` problems a held-out run never trains on, one fixed draw for every run."""
+    return torch.randperm(N_PROBLEMS, generator=torch.Generator().manual_seed(HELD_OUT_SEED))[:N_HELD_OUT].sort().values
+
+
+def sample_training_prompts(n: int, generator: torch.Generator) -> Prompts:
+    """``n`` prompts drawn uniformly from the problems outside :func:`held_out_problems`."""
+    seen = torch.ones(N_PROBLEMS, dtype=torch.bool)
+    seen[held_out_problems()] = False
+    ids = seen.nonzero().squeeze(1)  # (N_PROBLEMS − N_HELD_OUT,)
+    return prompts_of(problem_digits(ids[torch.randint(0, ids.numel(), (n,), generator=generator)]))
 
 
 def _allowed() -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,6 +58,8 @@ class RunConfig:
         weight_decay: AdamW weight decay (the paper's 0.1).
         routing_replay: R2 routing replay (MoE models): the experts chosen in the π_old forward are replayed in
             every update forward of the same rollout batch, so log W carries no expert flips (docs/routing-replay.md).
+        held_out: train only on the problems outside ``task.held_out_problems()`` and score the final policy on
+            those held out (:func:`evaluate`, logged with the last update as ``mini/eval/*``).
     """
 
     algorithm: str
@@ -70,6 +72,7 @@ class RunConfig:
     warm_seed: int = 0
     weight_decay: float = 0.1
     routing_replay: bool = False
+    held_out: bool = False
 
     @property
     def training_steps(self) -> int:
@@ -78,7 +81,8 @@ class RunConfig:
     @property
     def name(self) -> str:
         replay = "_r2" if self.routing_replay else ""
-        return f"{self.algorithm}_n{self.reuse}_lr{self.lr:.0e}_w{self.warm_seed}_seed{self.seed}{replay}"
+        held_out = "_ho" if self.held_out else ""
+        return f"{self.algorithm}_n{self.reuse}_lr{self.lr:.0e}_w{self.warm_seed}_seed{self.seed}{replay}{held_out}"
 
 
 @dataclass
@@ -271,7 +275,8 @@ def collect(state: _RunState, training_step: int) -> RolloutBatch:
     cfg, model = state.cfg, state.model
     t0 = time.perf_counter()
     model.eval()
-    prompts = task.sample_prompts(cfg.rollout_prompts, state.prompt_gen).repeat_interleave(cfg.group_size)
+    draw = task.sample_training_prompts if cfg.held_out else task.sample_prompts
+    prompts = draw(cfg.rollout_prompts, state.prompt_gen).repeat_interleave(cfg.group_size)
     rollout = sample(model, prompts, task.MAX_RESPONSE_LEN, state.sample_gen)
     t_gen = time.perf_counter() - t0
     reward = task.verify(rollout.response)  # (B,)
@@ -358,6 +363,26 @@ def update(
     return data, shares
 
 
+# The held-out evaluation: every held-out problem answered EVAL_SAMPLES times at temperature 1, from one fixed
+# sampling stream for every run (so two runs' final policies are scored on the same random numbers).
+EVAL_SAMPLES = 16
+EVAL_SEED = 31_337
+
+
+def evaluate(model: torch.nn.Module) -> dict[str, float]:
+    """Score ``model`` on the held-out problems: ``mini/eval/score`` is the mean (reward + 1)/2 of
+    ``task.N_HELD_OUT`` × :data:`EVAL_SAMPLES` sampled answers."""
+    model.eval()
+    prompts = task.prompts_of(task.problem_digits(task.held_out_problems())).repeat_interleave(EVAL_SAMPLES)
+    rollout = sample(model, prompts, task.MAX_RESPONSE_LEN, torch.Generator().manual_seed(EVAL_SEED))
+    reward = task.verify(rollout.response)  # (B,)
+    return {
+        "mini/eval/score": float(((reward + 1) / 2).mean()),
+        "mini/eval/responses": float(reward.numel()),
+        "mini/eval/response_length_mean": float(rollout.response_mask.sum(dim=1).float().mean()),
+    }
+
+
 def train(
     cfg: RunConfig,
     base_model: torch.nn.Module,
@@ -398,6 +423,8 @@ def train(
                 batch = collect(state, training_step)
                 for j in range(cfg.reuse):
                     data, shares = update(state, batch, j, on_update)
+                    if cfg.held_out and state.step == cfg.optimizer_steps:
+                        data |= evaluate(state.model)
                     data["mini/wall_time_s"] = time.perf_counter() - start
                     record = {"step": state.step, "data": data}
                     log.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")

@@ -39,11 +39,14 @@ def test_ablate_resolves_to_its_grid():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--ablate", "--full"], "--ablate runs the ablation's grid"),
-        (["--ablate", "--algos", "respo"], "--ablate runs the ablation's grid"),
-        (["--ablate", "--lr", "3e-4"], "--ablate runs the ablation's grid"),
+        (["--ablate", "--full"], "--ablate runs the ablate grid"),
+        (["--ablate", "--algos", "respo"], "--ablate runs the ablate grid"),
+        (["--ablate", "--lr", "3e-4"], "--ablate runs the ablate grid"),
+        (["--grid", "trend", "--optimizer-steps", "64"], "--grid trend runs the trend grid"),
         (["--ablate", "--moe"], "it takes no --moe"),
-        (["--algos", "respo,phi_one"], "phi_one: the ablation presets run through --ablate"),
+        (["--ablate", "--grid", "horizon"], "--ablate is --grid ablate"),
+        (["--grid", "horizon", "--seeds", "9"], "the horizon grid has no run with them"),
+        (["--algos", "respo,phi_one"], "phi_one: the ablation presets run through --grid ablate"),
     ],
 )
 def test_bad_ablation_options_are_one_line(argv, message, tmp_path, capsys):
