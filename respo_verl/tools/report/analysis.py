@@ -23,11 +23,22 @@ LENGTH_KEY = "response_length/mean"
 # verl's learning-rate metric: runs of one group that log different values were configured differently.
 CONFIG_SENSITIVE_KEYS = ("actor/lr",)
 VAL_PATTERN = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
+# The starved mass share: the share of the gradient mass Σ φ_i·|A_i|·n_tokens_i held by positive responses with
+# log W < −1 (docs/method.md, "Diagnostics"), in two measures the report never mixes. INDEPENDENT: the miniature
+# logs it for every method, with φ_i the effective coefficient the loss gave sequence i (read from ∂loss/∂log π_θ;
+# experiments/mini/train.py, starvation_diagnostics). LOSS_OWN: the respo and vespo losses log it with their own φ.
+INDEPENDENT = "method-independent"
+LOSS_OWN = "loss's own"
+STARVED_MASS_MEASURES = (INDEPENDENT, LOSS_OWN)
+INDEPENDENT_STARVED_MASS_KEY = "mini/diag/starved_mass_share"
 STARVED_MASS_PATTERN = re.compile(r"^actor/(?P<loss>[^/]+)/starved_mass_share$")
+LR_KEY = "actor/lr"
 # Run names without a manifest: the sweep's ``<model>-respo-n32-s0``, ``respo_n32_seed0``, and the miniature's
 # ``respo_n32_lr4e-04_w0_seed0`` (experiments/mini/train.py, RunConfig.name: learning rate and warm-start seed).
+# Longest names first, so that ``respo_pos_n8`` is the ablation respo_pos and not respo followed by junk.
+_NAMES = sorted(algorithms.BY_NAME, key=len, reverse=True)
 NAME_PATTERN = re.compile(
-    rf"(?P<algorithm>{'|'.join(algorithms.ALGORITHMS)})[-_]n(?P<reuse>\d+)"
+    rf"(?P<algorithm>{'|'.join(map(re.escape, _NAMES))})[-_]n(?P<reuse>\d+)"
     r"(?:[-_]lr(?P<lr>\d+(?:\.\d+)?(?:e[-+]?\d+)?))?(?:[-_]w(?P<warm_seed>\d+))?[-_]s(?:eed)?(?P<seed>\d+)"
 )
 NAME_EXAMPLES = ("respo-n32-s0", "respo_n32_seed0", "respo_n32_lr4e-04_w0_seed0")
@@ -49,16 +60,30 @@ class RunSummary:
     early: float
     auc: float
     length: float | None
-    starved_mass_curve: list[float] | None  # (optimizer updates,) share in [0, 1], when the loss logs it
+    # measure (:data:`STARVED_MASS_MEASURES`) -> (optimizer updates,) share in [0, 1], for the measures logged
+    starved_mass_curves: dict[str, list[float]]
     val: dict[str, float]
     complete: bool | None
     notes: list[str] = field(default_factory=list)
     lr: float | None = None  # from the file name, when it says (the miniature's names)
     warm_seed: int | None = None
+    peak_lr: float | None = None  # the largest logged ``actor/lr``, when logged
+
+    def starved_mass(self, measure: str) -> float | None:
+        """Mean of the ``measure`` curve over the run's optimizer updates; None when the log lacks it."""
+        curve = self.starved_mass_curves.get(_check_measure(measure))
+        return statistics.fmean(curve) if curve else None
 
     @property
-    def starved_mass(self) -> float | None:
-        return statistics.fmean(self.starved_mass_curve) if self.starved_mass_curve else None
+    def cell_lr(self) -> float | None:
+        """The learning rate the run's (algorithm, N, lr) cell is keyed by: the file name's, else the peak logged."""
+        return self.lr if self.lr is not None else self.peak_lr
+
+
+def _check_measure(measure: str) -> str:
+    if measure not in STARVED_MASS_MEASURES:
+        raise ValueError(f"starved mass measure {measure!r}: choose from {', '.join(STARVED_MASS_MEASURES)}")
+    return measure
 
 
 @dataclass
@@ -71,7 +96,8 @@ class GroupSummary:
     early_mean: float
     auc_mean: float
     length_mean: float | None
-    starved_mass_mean: float | None
+    # measure -> (mean over the runs that log it, how many runs do); measures no run logs are absent
+    starved_mass: dict[str, tuple[float, int]]
     val: dict[str, float]
     delta_pp: float | None = None  # late score minus the baseline's, percentage points
     delta_ci: tuple[float, float] | None = None
@@ -152,7 +178,17 @@ def summarise_run(
     if windows.updates < LATE_WINDOW:
         notes.append(f"only {windows.updates} optimizer steps: the late window covers the whole run")
     lengths = run.series(LENGTH_KEY)
-    starved_keys = sorted(k for k in run.metrics if STARVED_MASS_PATTERN.match(k))
+    starved_keys = {INDEPENDENT: [INDEPENDENT_STARVED_MASS_KEY] if run.series(INDEPENDENT_STARVED_MASS_KEY) else []}
+    starved_keys[LOSS_OWN] = sorted(k for k in run.metrics if STARVED_MASS_PATTERN.match(k) and run.series(k))
+    if len(starved_keys[LOSS_OWN]) > 1:
+        notes.append(
+            f"several losses log a starved mass share ({', '.join(starved_keys[LOSS_OWN])}): the loss's own measure "
+            f"is {starved_keys[LOSS_OWN][0]}'s"
+        )
+    starved_curves = {
+        measure: per_update(run.series(keys[0]), reuse, unit)[0] for measure, keys in starved_keys.items() if keys
+    }
+    lrs = run.series(LR_KEY)
     val = {}
     for key, series in run.metrics.items():
         match = VAL_PATTERN.match(key)
@@ -170,12 +206,13 @@ def summarise_run(
         early=windows.early,
         auc=windows.auc,
         length=statistics.fmean(per_update(lengths, reuse, unit)[0]) if lengths else None,
-        starved_mass_curve=per_update(run.series(starved_keys[0]), reuse, unit)[0] if starved_keys else None,
+        starved_mass_curves=starved_curves,
         val=val,
         complete=complete,
         notes=notes,
         lr=identity.lr,
         warm_seed=identity.warm_seed,
+        peak_lr=max(lrs.values()) if lrs else None,
     )
 
 
@@ -209,6 +246,15 @@ def check_group_consistency(runs: list[RunSummary], logs: dict[str, RunLog]) -> 
 def _mean_or_none(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
+
+
+def _starved_mass_means(runs: list[RunSummary]) -> dict[str, tuple[float, int]]:
+    means = {}
+    for measure in STARVED_MASS_MEASURES:
+        values = [v for r in runs if (v := r.starved_mass(measure)) is not None]
+        if values:
+            means[measure] = (statistics.fmean(values), len(values))
+    return means
 
 
 def welch_interval(a: list[float], b: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
@@ -251,7 +297,7 @@ def summarise_groups(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[l
                 early_mean=statistics.fmean(r.early for r in members),
                 auc_mean=statistics.fmean(r.auc for r in members),
                 length_mean=_mean_or_none([r.length for r in members]),
-                starved_mass_mean=_mean_or_none([r.starved_mass for r in members]),
+                starved_mass=_starved_mass_means(members),
                 val={k: statistics.fmean(v) for k, v in vals.items()},
             )
         )
@@ -264,3 +310,80 @@ def summarise_groups(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[l
         ci = welch_interval([r.late for r in g.runs], [r.late for r in base.runs])
         g.delta_ci = None if ci is None else (100.0 * ci[0], 100.0 * ci[1])
     return groups, refused
+
+
+@dataclass(frozen=True)
+class GapPoint:
+    """One (algorithm, N, lr) cell against the baseline's cell at the same N and lr; means over seeds.
+
+    ``starved_mass`` is the :data:`INDEPENDENT` measure: each run's mean over all its optimizer updates, then the
+    mean over the cell's seeds.
+    """
+
+    algorithm: str
+    reuse: int
+    lr: float | None  # the cell's learning rate (:attr:`RunSummary.cell_lr`); None when no run says it
+    starved_mass: float  # share in [0, 1]
+    gap_pp: float  # mean late score minus the baseline's, percentage points
+    seeds: int
+    baseline_seeds: int
+
+
+def format_lr(lr: float | None) -> str:
+    return "lr not logged" if lr is None else f"lr {lr:g}"
+
+
+def _cell_name(algorithm: str, reuse: int, lr: float | None) -> str:
+    return f"{algorithm} N={reuse}, {format_lr(lr)}"
+
+
+def gap_points(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[list[GapPoint], list[str]]:
+    """Late-score gap to the baseline against the method-independent starved mass, per (algorithm, N, lr) cell.
+
+    Every identified run counts, also those of an (algorithm, N) group refused for mixing learning rates: here the
+    learning rate is part of the cell. A cell is a point when it and the baseline's cell at its N and lr hold runs
+    that may be averaged (:func:`check_group_consistency`) and each of its runs logs
+    :data:`INDEPENDENT_STARVED_MASS_KEY`.
+
+    Returns:
+        The points, in table order, and one line for each cell of another algorithm that is not a point, with why.
+    """
+    cells: dict[tuple[str, int, float | None], list[RunSummary]] = defaultdict(list)
+    for r in runs:
+        cells[(r.algorithm, r.reuse, r.cell_lr)].append(r)
+    problems = {key: check_group_consistency(members, logs) for key, members in cells.items()}
+    points, left_out = [], []
+    for key in sorted(cells, key=lambda k: (algorithms.order(k[0]), k[1], -math.inf if k[2] is None else k[2])):
+        algorithm, reuse, lr = key
+        if algorithm == algorithms.BASELINE:
+            continue
+        members, base_key = cells[key], (algorithms.BASELINE, reuse, lr)
+        name, base = _cell_name(*key), algorithms.display_name(algorithms.BASELINE)
+        if problems[key]:
+            left_out.append(f"{name}: not averaged — " + "; ".join(problems[key]))
+            continue
+        if base_key not in cells:
+            left_out.append(f"{name}: no {base} run at N={reuse}, {format_lr(lr)}")
+            continue
+        if problems[base_key]:
+            left_out.append(f"{name}: {base}'s runs at N={reuse}, {format_lr(lr)} are not averaged")
+            continue
+        masses = [r.starved_mass(INDEPENDENT) for r in members]
+        if None in masses:
+            missing = sorted(r.name for r, m in zip(members, masses) if m is None)
+            left_out.append(f"{name}: {', '.join(missing)} log no {INDEPENDENT_STARVED_MASS_KEY}")
+            continue
+        base_runs = cells[base_key]
+        gap = statistics.fmean(r.late for r in members) - statistics.fmean(r.late for r in base_runs)
+        points.append(
+            GapPoint(
+                algorithm=algorithm,
+                reuse=reuse,
+                lr=lr,
+                starved_mass=statistics.fmean(masses),
+                gap_pp=100.0 * gap,
+                seeds=len(members),
+                baseline_seeds=len(base_runs),
+            )
+        )
+    return points, left_out

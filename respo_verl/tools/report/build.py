@@ -7,8 +7,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from respo_verl.tools.report.analysis import NAME_EXAMPLES, RunSummary, summarise_groups, summarise_run
-from respo_verl.tools.report.render import markdown_report, plot_scores, plot_starved_mass
+from respo_verl.tools.report.analysis import NAME_EXAMPLES, RunSummary, gap_points, summarise_groups, summarise_run
+from respo_verl.tools.report.render import markdown_report, plot_gap, plot_scores, plot_starved_mass, plots_section
 from respo_verl.tools.runs.logs import LogError, RunLog, read_log
 from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, read_manifest
 from respo_verl.tools.runs.stats import REWARD_RANGES, SCORE_KEY
@@ -74,7 +74,7 @@ def build_report(
         score_key: the training-score metric.
         reward_range: ``pm1`` (a reward in [-1, 1], reported as (r+1)/2, as the paper) or ``01``.
         metrics: further metrics to tabulate (mean over the run, mean over seeds).
-        plots: write the score and starved-mass plots.
+        plots: write the score, starved-mass and gap-against-starved-mass plots (listed in the report).
 
     Returns:
         The report's markdown and the files written. Raises :class:`ReportError` for unusable inputs.
@@ -127,7 +127,8 @@ def build_report(
     seen = {log.path.resolve() for log in logs}
     skipped += [f"{r.name}: in the manifest but no log at {p}" for p, r in records.items() if p not in seen]
     groups, refused = summarise_groups(runs, logs_by_run)
-    text = markdown_report(groups, runs, refused, skipped, reward_range)
+    gap = gap_points(runs, logs_by_run)
+    text = markdown_report(groups, runs, refused, skipped, reward_range, gap)
     if metrics:
         text += "\n## Requested metrics (mean over the run, mean over seeds)\n\n"
         text += "| method | N | " + " | ".join(metrics) + " |\n|---|---|" + "---|" * len(metrics) + "\n"
@@ -140,12 +141,13 @@ def build_report(
     outputs = [out / "report.md"]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        outputs[0].write_text(text)
         if plots and groups:
             outputs += plot_scores(groups, out)
-            mass = plot_starved_mass(groups, out)
-            if mass is not None:
-                outputs.append(mass)
+            outputs += plot_starved_mass(groups, out)
+        if plots and (gap_plot := plot_gap(gap[0], out)) is not None:
+            outputs.append(gap_plot)
+        text += plots_section([p.name for p in outputs[1:]])
+        outputs[0].write_text(text)
     except OSError as exc:
         raise ReportError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     return text, outputs

@@ -8,7 +8,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from respo_verl import algorithms
-from respo_verl.tools.report.analysis import CONFIDENCE, GroupSummary, RunSummary
+from respo_verl.tools.report.analysis import (
+    CONFIDENCE,
+    INDEPENDENT,
+    INDEPENDENT_STARVED_MASS_KEY,
+    LOSS_OWN,
+    STARVED_MASS_MEASURES,
+    GapPoint,
+    GroupSummary,
+    RunSummary,
+    format_lr,
+)
 from respo_verl.tools.runs.stats import EARLY_WINDOW, LATE_WINDOW
 
 
@@ -59,9 +69,24 @@ def _short_run_note(runs: list[RunSummary]) -> str:
     )
 
 
+# The detail table's header for each starved mass measure: which measure a number is, in every column name.
+STARVED_MASS_COLUMNS = {INDEPENDENT: "starved mass (method-independent)", LOSS_OWN: "starved mass (loss's own φ)"}
+# One plot file per starved mass measure, so that a file name says which measure its curves are.
+STARVED_MASS_PLOTS = {INDEPENDENT: "starved_mass_share.png", LOSS_OWN: "starved_mass_share_loss.png"}
+GAP_PLOT = "gap_vs_starved_mass.png"
+
+
+def _starved_cell(g: GroupSummary, measure: str) -> str:
+    if measure not in g.starved_mass:
+        return "—"
+    mean, logged = g.starved_mass[measure]
+    return _pct(mean, 1) + ("" if logged == len(g.runs) else f" ({logged} of {len(g.runs)} runs)")
+
+
 def detail_table(groups: list[GroupSummary]) -> str:
     val_keys = sorted({k for g in groups for k in g.val})
-    header = ["method", "N", "seeds", "late", "early", "AUC", "resp. length", "starved mass share", *val_keys]
+    starved = [STARVED_MASS_COLUMNS[m] for m in STARVED_MASS_MEASURES]
+    header = ["method", "N", "seeds", "late", *starved, "early", "AUC", "resp. length", *val_keys]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for g in sorted(groups, key=lambda g: (g.reuse, _order(g.algorithm))):
         row = [
@@ -69,14 +94,24 @@ def detail_table(groups: list[GroupSummary]) -> str:
             str(g.reuse),
             ",".join(str(r.seed) for r in g.runs),
             _pct(g.late_mean),
+            *(_starved_cell(g, m) for m in STARVED_MASS_MEASURES),
             _pct(g.early_mean),
             _pct(g.auc_mean),
             "—" if g.length_mean is None else f"{g.length_mean:.1f}",
-            _pct(g.starved_mass_mean, 1),
             *(_pct(g.val.get(k)) for k in val_keys),
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+STARVED_MASS_LEGEND = (
+    "starved mass: the share of the gradient mass Σ φ·|A|·tokens held by positive responses with log W < −1 (%), "
+    'mean over the run\'s optimizer updates, mean over the seeds that log it ("k of n runs" when not all do), in '
+    f"two measures kept in separate columns: {STARVED_MASS_COLUMNS[INDEPENDENT]} is `{INDEPENDENT_STARVED_MASS_KEY}`, "
+    "logged by the miniature for every method with φ the effective coefficient the loss gave each sequence (read "
+    f"from its gradient); {STARVED_MASS_COLUMNS[LOSS_OWN]} is `actor/<loss>/starved_mass_share`, logged by the respo "
+    "and vespo losses with their own kernel φ"
+)
 
 
 def _baseline_legend(groups: list[GroupSummary], runs: list[RunSummary]) -> str:
@@ -97,18 +132,74 @@ def _baseline_legend(groups: list[GroupSummary], runs: list[RunSummary]) -> str:
     return text + "."
 
 
+def gap_table(points: list[GapPoint]) -> str:
+    base = _display(algorithms.BASELINE)
+    header = ["method", "N", "lr", STARVED_MASS_COLUMNS[INDEPENDENT] + " (%)", f"gap to {base} (pp)", "seeds"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for p in points:
+        lr = format_lr(p.lr).removeprefix("lr ")
+        seeds = f"{p.seeds} / {p.baseline_seeds} ({base})"
+        lines.append(
+            f"| {_display(p.algorithm)} | {p.reuse} | {lr} | {_pct(p.starved_mass, 1)} | {p.gap_pp:+.2f} | {seeds} |"
+        )
+    return "\n".join(lines)
+
+
+def gap_section(points: list[GapPoint], left_out: list[str], runs: list[RunSummary]) -> list[str]:
+    """The markdown of the late-score gap against the method-independent starved mass (:func:`gap_points`)."""
+    base = _display(algorithms.BASELINE)
+    parts = ["## Late-score gap against starved mass", ""]
+    if not any(r.algorithm == algorithms.BASELINE for r in runs):
+        return [*parts, f"No {base} run was found, so there is no gap to {base} to plot against starved mass."]
+    parts.append(
+        f"One point per (method, N, learning rate) with a {base} run at the same N and learning rate: the "
+        f"method-independent starved mass share (`{INDEPENDENT_STARVED_MASS_KEY}`; each run's mean over all its "
+        f"optimizer updates, mean over seeds) and the method's late score minus {base}'s (means over seeds), in "
+        f"`{GAP_PLOT}` when plots are written. The learning rate is the file name's, else the largest logged "
+        "`actor/lr`."
+    )
+    parts += ["", gap_table(points) if points else "(no point)"]
+    if left_out:
+        parts += ["", "Not in the plot:", "", *(f"- {line}" for line in left_out)]
+    return parts
+
+
+# What each plot shows, for the report's list of the files it wrote.
+PLOT_LEGENDS = {
+    STARVED_MASS_PLOTS[INDEPENDENT]: "the method-independent starved mass share against optimizer update, per N",
+    STARVED_MASS_PLOTS[LOSS_OWN]: "the loss's own starved mass share against optimizer update, per N",
+    GAP_PLOT: f"late-score gap to {_display(algorithms.BASELINE)} against the method-independent "
+    "starved mass share, per (method, N, learning rate)",
+}
+
+
+def _plot_legend(name: str) -> str:
+    if name.startswith("score_n"):
+        return "training score against optimizer update, mean over seeds with a ± 1 std band"
+    return PLOT_LEGENDS[name]
+
+
+def plots_section(names: Sequence[str]) -> str:
+    """The report's list of the plot files written (``names``), each with what it shows; '' without plots."""
+    if not names:
+        return ""
+    return "\n## Plots\n\n" + "".join(f"- `{name}`: {_plot_legend(name)}\n" for name in names)
+
+
 def markdown_report(
     groups: list[GroupSummary],
     runs: list[RunSummary],
     refused: list[str],
     skipped: list[str],
     reward_range: str = "pm1",
+    gap: tuple[list[GapPoint], list[str]] = ([], []),
 ) -> str:
     """The report's markdown.
 
     The runs of ``groups`` are the runs used; their notes (a short or incomplete run, a gap) are caveats on numbers
     that are in the tables, listed as such. "What was not used" lists only what is not in the tables: the refused
-    groups (with their runs' notes), the logs left out, and the skipped lines and values.
+    groups (with their runs' notes), the logs left out, and the skipped lines and values. ``gap`` is
+    :func:`~respo_verl.tools.report.analysis.gap_points`'s answer.
     """
     score = "(reward + 1) / 2" if reward_range == "pm1" else "the score"
     parts = [
@@ -121,12 +212,13 @@ def markdown_report(
         "",
         "## Details",
         "",
-        f"early: first {EARLY_WINDOW} optimizer updates; AUC: mean score over all optimizer updates; resp. length: "
-        "mean response length over the run; starved mass share: share of the coefficient mass Σφ·|A|·tokens held by "
-        "positive responses with log W < −1, mean over the run (logged by the respo/vespo losses); validation "
-        "columns: last logged value." + _short_run_note(runs),
+        f"{STARVED_MASS_LEGEND}; early: first {EARLY_WINDOW} optimizer updates; AUC: mean score over all optimizer "
+        "updates; resp. length: mean response length over the run; validation columns: last logged value."
+        + _short_run_note(runs),
         "",
         detail_table(groups) if groups else "(none)",
+        "",
+        *gap_section(*gap, runs),
     ]
     used = {r.name for g in groups for r in g.runs}
     used_notes = [f"- {r.name}: {n}" for r in runs if r.name in used for n in r.notes]
@@ -173,11 +265,11 @@ def score_bands(groups: list[GroupSummary]) -> dict[tuple[str, int], Band]:
     return {(g.algorithm, g.reuse): mean_band([r.curve for r in g.runs]) for g in groups}
 
 
-def starved_mass_bands(groups: list[GroupSummary]) -> dict[tuple[str, int], Band]:
-    """(algorithm, N) -> band of the starved-mass-share curves, for the groups whose loss logs it."""
+def starved_mass_bands(groups: list[GroupSummary], measure: str) -> dict[tuple[str, int], Band]:
+    """(algorithm, N) -> band of the ``measure`` starved-mass-share curves, for the groups whose runs log it."""
     bands = {}
     for g in groups:
-        curves = [r.starved_mass_curve for r in g.runs if r.starved_mass_curve]
+        curves = [c for r in g.runs if (c := r.starved_mass_curves.get(measure))]
         if curves:
             bands[(g.algorithm, g.reuse)] = mean_band(curves)
     return bands
@@ -245,10 +337,16 @@ def plot_scores(groups: list[GroupSummary], out_dir: Path) -> list[Path]:
     return paths
 
 
-def starved_mass_figure(groups: list[GroupSummary]):
-    """Starved positives' share of the coefficient mass (%) against optimizer update: one panel per N, one mean
-    line per algorithm with a ± 1 std band over seeds; None when no loss logged it."""
-    bands = starved_mass_bands(groups)
+STARVED_MASS_TITLES = {
+    INDEPENDENT: f"method-independent ({INDEPENDENT_STARVED_MASS_KEY}, φ = effective coefficient)",
+    LOSS_OWN: "the loss's own (actor/<loss>/starved_mass_share, φ = its kernel)",
+}
+
+
+def starved_mass_figure(groups: list[GroupSummary], measure: str):
+    """Starved positives' share of the gradient mass (%) in ``measure`` against optimizer update: one panel per N,
+    one mean line per algorithm with a ± 1 std band over seeds; None when no run logs that measure."""
+    bands = starved_mass_bands(groups, measure)
     if not bands:
         return None
     plt = _pyplot()
@@ -258,18 +356,78 @@ def starved_mass_figure(groups: list[GroupSummary]):
         _draw(ax, {k: b for k, b in bands.items() if k[1] == reuse}, 100.0)
         ax.set_title(f"N = {reuse}")
     _start_at_zero(axes[0])
-    axes[0][0].set_ylabel("starved positives' share of\ncoefficient mass (%)")
-    fig.suptitle("positive responses with log W < −1: mean over seeds, band ± 1 std", fontsize=10)
+    axes[0][0].set_ylabel("starved positives' share of\ngradient mass (%)")
+    fig.suptitle(
+        f"positive responses with log W < −1: mean over seeds, band ± 1 std\n{STARVED_MASS_TITLES[measure]}",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 
 
-def plot_starved_mass(groups: list[GroupSummary], out_dir: Path) -> Path | None:
-    """``starved_mass_share.png``, or None when no run's loss logs the share."""
-    fig = starved_mass_figure(groups)
+def plot_starved_mass(groups: list[GroupSummary], out_dir: Path) -> list[Path]:
+    """One PNG per measure some run logs (:data:`STARVED_MASS_PLOTS`)."""
+    paths = []
+    for measure in STARVED_MASS_MEASURES:
+        fig = starved_mass_figure(groups, measure)
+        if fig is None:
+            continue
+        path = out_dir / STARVED_MASS_PLOTS[measure]
+        fig.savefig(path, dpi=120)
+        _pyplot().close(fig)
+        paths.append(path)
+    return paths
+
+
+# Marker shapes by algorithm, in table order: a point's algorithm is legible without colour.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def gap_figure(points: list[GapPoint]):
+    """Late-score gap to the baseline (pp) against the method-independent starved mass share (%): one marker per
+    algorithm, each point annotated with its N and learning rate; None without points."""
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for algorithm in sorted({p.algorithm for p in points}, key=_order):
+        mine = [p for p in points if p.algorithm == algorithm]
+        ax.scatter(
+            [100.0 * p.starved_mass for p in mine],
+            [p.gap_pp for p in mine],
+            color=algorithms.get(algorithm).color,
+            marker=MARKERS[_order(algorithm) % len(MARKERS)],
+            label=_display(algorithm),
+            zorder=3,
+        )
+        for p in mine:
+            ax.annotate(
+                f"N={p.reuse}, {format_lr(p.lr)}",
+                (100.0 * p.starved_mass, p.gap_pp),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+            )
+    base = _display(algorithms.BASELINE)
+    ax.axhline(0.0, color="black", lw=0.8, alpha=0.6)
+    ax.set_xlabel(
+        f"method-independent starved mass share (%) ({INDEPENDENT_STARVED_MASS_KEY}),\n"
+        "mean over the run, mean over seeds"
+    )
+    ax.set_ylabel(f"late score − {base}'s (pp), means over seeds")
+    ax.set_title(f"gap to {base} at the same N and learning rate", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_gap(points: list[GapPoint], out_dir: Path) -> Path | None:
+    """``gap_vs_starved_mass.png``, or None without points."""
+    fig = gap_figure(points)
     if fig is None:
         return None
-    path = out_dir / "starved_mass_share.png"
+    path = out_dir / GAP_PLOT
     fig.savefig(path, dpi=120)
     _pyplot().close(fig)
     return path

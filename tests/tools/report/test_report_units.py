@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from respo_verl.cli import main as cli_main
-from respo_verl.tools.report.analysis import RunIdentity, parse_run_name, summarise_groups, summarise_run
+from respo_verl.tools.report.analysis import LOSS_OWN, RunIdentity, parse_run_name, summarise_groups, summarise_run
 from respo_verl.tools.report.render import (
     ZERO_PLOT_TOP,
     _short_run_note,
@@ -87,12 +87,12 @@ def _groups(folder: Path):
 
 def test_starved_mass_plot_is_one_mean_line_per_group_over_the_updates_run(tmp_path):
     groups = _groups(mini_folder(tmp_path))
-    bands = starved_mass_bands(groups)
+    bands = starved_mass_bands(groups, LOSS_OWN)
     assert set(bands) == {("respo", N), ("vespo", N)}
     respo = bands[("respo", N)]
     assert respo.steps == list(range(1, UPDATES + 1)) and respo.seeds == 2
     assert respo.mean[0] == pytest.approx(0.25) and respo.high[0] - respo.mean[0] == pytest.approx(0.0707107, abs=1e-6)
-    fig = starved_mass_figure(groups)
+    fig = starved_mass_figure(groups, LOSS_OWN)
     (ax,) = fig.axes
     assert len(ax.get_lines()) == 2
     assert ax.get_xlim() == (1, UPDATES)
@@ -103,7 +103,7 @@ def test_starved_mass_plot_of_training_step_logs_spans_the_updates(tmp_path):
     rows = [json.dumps({"step": s, "data": {"critic/score/mean": 0.0, "actor/vespo/starved_mass_share": 0.1}})
             for s in range(1, 5)]  # fmt: skip
     (tmp_path / "m-vespo-n8-s0.jsonl").write_text("\n".join(rows) + "\n")
-    bands = starved_mass_bands(_groups(tmp_path))
+    bands = starved_mass_bands(_groups(tmp_path), LOSS_OWN)
     assert bands[("vespo", N)].steps == list(range(1, 4 * N + 1))  # 4 training steps of 8 updates
 
 
@@ -203,7 +203,7 @@ def _zero_groups(tmp_path: Path):
 
 def test_a_plot_of_a_metric_that_is_0_throughout_starts_at_0(tmp_path):
     groups = _zero_groups(tmp_path)
-    (ax,) = starved_mass_figure(groups).axes
+    (ax,) = starved_mass_figure(groups, LOSS_OWN).axes
     assert max(max(line.get_ydata()) for line in ax.get_lines()) == 0.0
     assert ax.get_ylim() == (0.0, ZERO_PLOT_TOP)
     (ax,) = score_figure(groups, N).axes
@@ -216,7 +216,7 @@ def test_plots_start_at_0_and_keep_room_for_every_panel(tmp_path):
     for path in tmp_path.glob("respo_n16_*.jsonl"):  # per_update_log writes mini/reuse = 8: make it 16
         path.write_text(path.read_text().replace(f'"mini/reuse": {N}', '"mini/reuse": 16'))
     groups = _groups(tmp_path)
-    axes = starved_mass_figure(groups).axes
+    axes = starved_mass_figure(groups, LOSS_OWN).axes
     assert len(axes) == 2
     for ax in axes:  # shared y-axis: the top fits the larger panel (30 %)
         low, high = ax.get_ylim()
