@@ -20,19 +20,20 @@ from respo_verl.tools.runs.manifest import RunRecord
 from respo_verl.tools.runs.stats import LATE_WINDOW, SCORE_KEY, per_update, score_curve, window_stats
 
 LENGTH_KEY = "response_length/mean"
+LR_KEY = "actor/lr"
 # verl's learning-rate metric: runs of one group that log different values were configured differently.
-CONFIG_SENSITIVE_KEYS = ("actor/lr",)
+CONFIG_SENSITIVE_KEYS = (LR_KEY,)
 VAL_PATTERN = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
 # The starved mass share: the share of the gradient mass Σ φ_i·|A_i|·n_tokens_i held by positive responses with
 # log W < −1 (docs/method.md, "Diagnostics"), in two measures the report never mixes. INDEPENDENT: the miniature
 # logs it for every method, with φ_i the effective coefficient the loss gave sequence i (read from ∂loss/∂log π_θ;
-# experiments/mini/train.py, starvation_diagnostics). LOSS_OWN: the respo and vespo losses log it with their own φ.
+# experiments/mini/train.py, starvation_diagnostics). LOSS_OWN: this package's kernel losses (respo, vespo and the
+# kernel ablations) log it with their own φ, under ``actor/<loss>/``.
 INDEPENDENT = "method-independent"
 LOSS_OWN = "loss's own"
 STARVED_MASS_MEASURES = (INDEPENDENT, LOSS_OWN)
 INDEPENDENT_STARVED_MASS_KEY = "mini/diag/starved_mass_share"
 STARVED_MASS_PATTERN = re.compile(r"^actor/(?P<loss>[^/]+)/starved_mass_share$")
-LR_KEY = "actor/lr"
 # Run names without a manifest: the sweep's ``<model>-respo-n32-s0``, ``respo_n32_seed0``, and the miniature's
 # ``respo_n32_lr4e-04_w0_seed0`` (experiments/mini/train.py, RunConfig.name: learning rate and warm-start seed).
 # Longest names first, so that ``respo_pos_n8`` is the ablation respo_pos and not respo followed by junk.
@@ -179,7 +180,10 @@ def summarise_run(
         notes.append(f"only {windows.updates} optimizer steps: the late window covers the whole run")
     lengths = run.series(LENGTH_KEY)
     starved_keys = {INDEPENDENT: [INDEPENDENT_STARVED_MASS_KEY] if run.series(INDEPENDENT_STARVED_MASS_KEY) else []}
-    starved_keys[LOSS_OWN] = sorted(k for k in run.metrics if STARVED_MASS_PATTERN.match(k) and run.series(k))
+    own_key = f"actor/{algorithm}/starved_mass_share"  # first when several losses log one
+    starved_keys[LOSS_OWN] = sorted(
+        (k for k in run.metrics if STARVED_MASS_PATTERN.match(k) and run.series(k)), key=lambda k: (k != own_key, k)
+    )
     if len(starved_keys[LOSS_OWN]) > 1:
         notes.append(
             f"several losses log a starved mass share ({', '.join(starved_keys[LOSS_OWN])}): the loss's own measure "

@@ -245,3 +245,18 @@ def test_every_algorithm_the_package_knows_is_read_from_the_miniature_s_names_an
     assert {p.algorithm: p.starved_mass for p in points} == {
         name: pytest.approx(0.01 * i) for i, name in enumerate(names) if name != algorithms.BASELINE
     }
+
+
+def test_of_several_losses_own_shares_the_run_s_own_loss_is_used_and_the_choice_noted(tmp_path):
+    path = mini_log(tmp_path, "respo", 8, 0, score=0.6, loss_own=0.25)
+    own = '"actor/respo/starved_mass_share": 0.25'
+    path.write_text(path.read_text().replace(own, own + ', "actor/a_loss/starved_mass_share": 0.5'))
+    summary = summarise_run(read_log(path), None)
+    assert summary.starved_mass(LOSS_OWN) == pytest.approx(0.25)
+    assert summary.starved_mass(INDEPENDENT) is None
+    assert summary.notes[-1] == (
+        "several losses log a starved mass share (actor/respo/starved_mass_share, actor/a_loss/starved_mass_share): "
+        "the loss's own measure is actor/respo/starved_mass_share's"
+    )
+    with pytest.raises(ValueError, match="starved mass measure 'own': choose from method-independent, loss's own"):
+        summary.starved_mass("own")
