@@ -321,7 +321,8 @@ class GapPoint:
     """One (algorithm, N, lr) cell against the baseline's cell at the same N and lr; means over seeds.
 
     ``starved_mass`` is the :data:`INDEPENDENT` measure: each run's mean over all its optimizer updates, then the
-    mean over the cell's seeds.
+    mean over the cell's seeds; ``baseline_starved_mass`` the same for the baseline's cell (None when one of its runs
+    lacks it).
     """
 
     algorithm: str
@@ -331,6 +332,7 @@ class GapPoint:
     gap_pp: float  # mean late score minus the baseline's, percentage points
     seeds: int
     baseline_seeds: int
+    baseline_starved_mass: float | None = None
 
 
 def format_lr(lr: float | None) -> str:
@@ -378,6 +380,7 @@ def gap_points(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[list[Ga
             left_out.append(f"{name}: {', '.join(missing)} log no {INDEPENDENT_STARVED_MASS_KEY}")
             continue
         base_runs = cells[base_key]
+        base_masses = [r.starved_mass(INDEPENDENT) for r in base_runs]
         gap = statistics.fmean(r.late for r in members) - statistics.fmean(r.late for r in base_runs)
         points.append(
             GapPoint(
@@ -388,6 +391,7 @@ def gap_points(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[list[Ga
                 gap_pp=100.0 * gap,
                 seeds=len(members),
                 baseline_seeds=len(base_runs),
+                baseline_starved_mass=None if None in base_masses else statistics.fmean(base_masses),
             )
         )
     return points, left_out

@@ -134,14 +134,13 @@ def _baseline_legend(groups: list[GroupSummary], runs: list[RunSummary]) -> str:
 
 def gap_table(points: list[GapPoint]) -> str:
     base = _display(algorithms.BASELINE)
-    header = ["method", "N", "lr", STARVED_MASS_COLUMNS[INDEPENDENT] + " (%)", f"gap to {base} (pp)", "seeds"]
+    mass = STARVED_MASS_COLUMNS[INDEPENDENT]
+    header = ["method", "N", "lr", f"{mass} (%)", f"gap to {base} (pp)", f"{base}'s {mass} (%)", "seeds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for p in points:
-        lr = format_lr(p.lr).removeprefix("lr ")
-        seeds = f"{p.seeds} / {p.baseline_seeds} ({base})"
-        lines.append(
-            f"| {_display(p.algorithm)} | {p.reuse} | {lr} | {_pct(p.starved_mass, 1)} | {p.gap_pp:+.2f} | {seeds} |"
-        )
+        cells = [_display(p.algorithm), str(p.reuse), format_lr(p.lr).removeprefix("lr "), _pct(p.starved_mass, 1)]
+        cells += [f"{p.gap_pp:+.2f}", _pct(p.baseline_starved_mass, 1), f"{p.seeds} / {p.baseline_seeds} ({base})"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -155,8 +154,8 @@ def gap_section(points: list[GapPoint], left_out: list[str], runs: list[RunSumma
         f"One point per (method, N, learning rate) with a {base} run at the same N and learning rate: the "
         f"method-independent starved mass share (`{INDEPENDENT_STARVED_MASS_KEY}`; each run's mean over all its "
         f"optimizer updates, mean over seeds) and the method's late score minus {base}'s (means over seeds), in "
-        f"`{GAP_PLOT}` when plots are written. The learning rate is the file name's, else the largest logged "
-        "`actor/lr`."
+        f"`{GAP_PLOT}` when plots are written; beside them {base}'s own share in that cell. The learning rate is the "
+        "file name's, else the largest logged `actor/lr`."
     )
     parts += ["", gap_table(points) if points else "(no point)"]
     if left_out:

@@ -181,6 +181,9 @@ def test_gap_points_are_the_hand_computed_gaps_and_masses(tmp_path):
         assert point[:3] == expected[:3] and point[5] == expected[5]
         assert point[3] == pytest.approx(expected[3]) and point[4] == pytest.approx(expected[4])
     assert {p.baseline_seeds for p in points} == {1}
+    # VESPO's own share in each point's cell: 0.40 at (8, 4e-4), 0.20 at (8, 2e-4), 0.60 at (16, 4e-4).
+    vespo = {(8, 4e-4): 0.40, (8, 2e-4): 0.20, (16, 4e-4): 0.60}
+    assert [p.baseline_starved_mass for p in points] == [pytest.approx(vespo[(p.reuse, p.lr)]) for p in points]
     assert left_out == ["grpo N=16, lr 0.0002: no VESPO run at N=16, lr 0.0002"]
 
 
@@ -205,8 +208,8 @@ def test_the_gap_plot_draws_the_points_and_the_report_lists_them(tmp_path):
     text = report(folder, tmp_path / "report")
     assert (tmp_path / "report" / "gap_vs_starved_mass.png").stat().st_size > 0
     assert "- `gap_vs_starved_mass.png`: late-score gap to VESPO against the method-independent" in text
-    assert "| GRPO | 8 | 0.0004 | 20.0 | +15.00 | 2 / 1 (VESPO) |" in text
-    assert "| GSPO | 16 | 0.0004 | 80.0 | -30.00 | 1 / 1 (VESPO) |" in text
+    assert "| GRPO | 8 | 0.0004 | 20.0 | +15.00 | 40.0 | 2 / 1 (VESPO) |" in text
+    assert "| GSPO | 16 | 0.0004 | 80.0 | -30.00 | 60.0 | 1 / 1 (VESPO) |" in text
     assert "- grpo N=16, lr 0.0002: no VESPO run at N=16, lr 0.0002" in text
     # The (algorithm, N) groups mix learning rates and are refused; the gap plot keeps them apart and uses them.
     refused = next(line for line in text.splitlines() if line.startswith("- grpo N=8: not averaged — "))
