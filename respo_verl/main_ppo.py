@@ -7,8 +7,10 @@ under ``--cfg job``), the CPU preset's driver set-up (``+device=cpu``: CPU platf
 that, once Ray is up, checks on every node that this package is importable and its losses are registered, so that a
 cluster with a node missing the package stops before any model is loaded. With the respo-verl trainer (the presets'
 ``trainer.v1.trainer_mode=respo_sync``), a resume from another run's checkpoint is refused before Ray starts, and
-SIGTERM saves a checkpoint at the end of the current step and ends the run with exit 0. Both of verl's trainers run:
-the V1 trainer (default) and the legacy one (``trainer.use_v1=false``, without the respo-verl trainer's additions).
+SIGTERM saves a checkpoint at the end of the current step and ends the run with exit 0. A Ray cluster the driver
+starts itself is stopped once the driver has ended, however it ended (:mod:`respo_verl.verl.reaper`). Both of verl's
+trainers run: the V1 trainer (default) and the legacy one (``trainer.use_v1=false``), which has none of the
+respo-verl trainer's additions and is refused unless ``run_guard.enable=false`` says so.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from respo_verl.verl.datacheck import DataCheckError, check_data
 from respo_verl.verl.jobcheck import MachineCheckError, ModelCheckError, check_job, check_machine, check_model
 
 ENTRY = "respo"  # respo_verl.verl.compose.ENTRY_CONFIGS key of this entry point
+_WATCHDOG = None  # the reaper's process (respo_verl.verl.reaper), kept for the driver's lifetime
 
 
 def _with_driver_hooks(runner_cls, config: DictConfig):
@@ -42,6 +45,7 @@ def _with_driver_hooks(runner_cls, config: DictConfig):
     from respo_verl.verl.requirements import job_requirements
 
     def _before_start():
+        _stop_local_ray_with_driver()
         try:
             check_ray_nodes(requirements=job_requirements(config))
         except RuntimeError as exc:  # check_ray_nodes raises RuntimeError only for a failed preflight
@@ -61,6 +65,22 @@ def _with_driver_hooks(runner_cls, config: DictConfig):
             return runner_cls.options(*args, **kwargs)
 
     return _HookedTaskRunner
+
+
+def _stop_local_ray_with_driver():
+    """When this driver started its own Ray cluster (``ray.init`` without an address), start the watchdog that stops
+    that cluster's processes once the driver has ended, SIGKILL included (:mod:`respo_verl.verl.reaper`). A cluster
+    the job connected to through an address is left alone. Returns the watchdog's process, or None."""
+    import ray._private.worker as ray_worker
+
+    from respo_verl.verl.reaper import watch_driver
+
+    global _WATCHDOG
+    node = getattr(ray_worker, "_global_node", None)
+    if node is None or not getattr(node, "ray_init_cluster", False):
+        return None
+    _WATCHDOG = watch_driver(node.get_session_dir_path())
+    return _WATCHDOG
 
 
 def _stop_on_sigterm(config: DictConfig) -> Path | None:
@@ -111,10 +131,26 @@ def check_resume(config: DictConfig) -> None:
         plan_resume(config)
 
 
+def check_trainer(config: DictConfig) -> None:
+    """Refuse verl's legacy trainer while the run guards are on: none of the respo-verl trainer's additions apply to
+    it (verl 0.9.1 deprecates it too), so a run would silently go without them."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.select(config, "trainer.use_v1", default=True) and OmegaConf.select(
+        config, "run_guard.enable", default=False
+    ):
+        raise ValueError(
+            "trainer.use_v1=false: verl's legacy trainer has none of the respo-verl trainer's checkpoint fingerprints, "
+            "SIGTERM save-and-stop, appending log and run guards; drop the override (the V1 trainer is the default), "
+            "or add run_guard.enable=false to run the legacy trainer without them"
+        )
+
+
 def check(config: DictConfig) -> None:
     """Every check of a job that needs neither verl nor Ray (ValueError with one line naming the key)."""
     check_job(config)
     check_cpu_job(config)
+    check_trainer(config)
     check_resume(config)
 
 

@@ -1,0 +1,137 @@
+"""The watchdog that stops a driver's local Ray cluster once the driver has ended (respo_verl/verl/reaper.py).
+
+Real processes, no Ray: a stand-in driver starts a tree of children (one that ignores SIGTERM, one orphaned before
+the driver dies, one that names the session folder but is not in the driver's tree), starts the watchdog as our
+entry point does (:func:`watch_driver`) and is then killed with SIGKILL, or ends normally. Processes outside the tree
+and naming another session folder must survive. The Ray run itself is covered by tests/cpu/test_cpu_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from respo_verl.verl.reaper import REAP_BOUND_S, SCAN_INTERVAL_S, _read_stat, alive, descendants, names_folder
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc")
+
+MIDDLE = (
+    "import subprocess as s, sys, time\n"
+    "print(s.Popen(sys.argv[2:], stdout=s.DEVNULL, stderr=s.DEVNULL).pid, flush=True)\n"
+    "time.sleep(float(sys.argv[1]))"
+)
+SLEEPER = (
+    "import signal, sys, time\n"
+    "if 'ignore-term' in sys.argv: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "time.sleep(300)"
+)
+
+# The stand-in driver: children, the watchdog, an orphan, then the pids on stdout; it ends as told.
+DRIVER = """
+import json, os, subprocess, sys, time
+from respo_verl.verl.reaper import watch_driver
+session, how = sys.argv[1], sys.argv[2]
+sleeper = [sys.executable, "-c", {sleeper!r}]
+child = subprocess.Popen(sleeper)
+stubborn = subprocess.Popen([*sleeper, "ignore-term"])
+watchdog = watch_driver(session)
+# a process that starts a grandchild, lives through a scan of the watchdog and exits: the grandchild is orphaned
+# while the driver lives, and is found only because the watchdog recorded it
+middle = subprocess.Popen(
+    [sys.executable, "-c", {middle!r}, str({settle}), *sleeper], stdout=subprocess.PIPE, text=True
+)
+orphan = int(middle.stdout.readline())
+middle.wait()
+pids = {{"child": child.pid, "stubborn": stubborn.pid, "orphan": orphan, "watchdog": watchdog.pid}}
+print(json.dumps(pids), flush=True)
+if how == "exit":
+    sys.exit(0)
+time.sleep(300)
+"""
+
+
+def _start_driver(session: Path, how: str) -> tuple[subprocess.Popen, dict]:
+    code = DRIVER.format(sleeper=SLEEPER, middle=MIDDLE, settle=SCAN_INTERVAL_S + 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(session), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    pids = json.loads(proc.stdout.readline())
+    return proc, pids
+
+
+def _sleeper(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SLEEPER, *args])
+
+
+def _ident(pid: int) -> tuple[int, int]:
+    stat = _read_stat(pid)
+    assert stat is not None, pid
+    return pid, stat.start
+
+
+def _wait_gone(idents: list[tuple[int, int]], bound: float) -> list[int]:
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline and any(alive(*i) for i in idents):
+        time.sleep(0.1)
+    return [pid for pid, start in idents if alive(pid, start)]
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(tmp_path, how):
+    session = tmp_path / "session_2026-01-01_00-00-00_000001_42"
+    bystander = _sleeper(str(session) + "2/logs")  # another session whose name starts like ours: not ours
+    outsider = _sleeper()
+    in_session = _sleeper(f"--session-dir={session}")  # not in the driver's tree, names our session folder
+    driver, pids = _start_driver(session, how)
+    names = {pids["child"]: "child", pids["stubborn"]: "stubborn", pids["orphan"]: "orphan", in_session.pid: "named"}
+    victims = [_ident(pid) for pid in names]
+    watchdog = _ident(pids["watchdog"])
+    try:
+        assert _read_stat(pids["orphan"]).ppid != driver.pid  # orphaned: found only because it was recorded
+        if how == "sigkill":
+            driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+        ended = time.monotonic()
+        left = _wait_gone(victims, REAP_BOUND_S)
+        late = time.monotonic() - ended
+        assert not left, f"still running {late:.1f} s after the driver ended: {[names[p] for p in left]}"
+        assert _wait_gone([watchdog], 5) == []  # the watchdog ends once it is done
+        assert bystander.poll() is None and outsider.poll() is None
+        report = driver.stderr.read()
+        assert "respo-verl reaper: driver" in report and "stopped 4 process(es)" in report, report
+        assert "(1 by SIGKILL)" in report, report  # the one that ignores SIGTERM
+    finally:
+        for proc in (bystander, outsider, in_session):
+            proc.kill()
+            proc.wait()
+        for pid, start in [*victims, watchdog]:
+            if alive(pid, start):
+                os.kill(pid, signal.SIGKILL)
+        driver.kill()
+        driver.wait()
+
+
+def test_descendants_and_folder_names():
+    from respo_verl.verl.reaper import Proc
+
+    table = {p: Proc(p, pp, 0, "S") for p, pp in [(1, 0), (10, 1), (11, 10), (12, 11), (20, 1), (13, 10)]}
+    assert descendants({10}, table) == {11, 12, 13}
+    assert descendants({12}, table) == set()
+    me = os.getpid()
+    assert not names_folder(me, "/nonexistent/session_x")
+
+
+def test_watch_driver_refuses_a_pid_that_is_not_there():
+    from respo_verl.verl.reaper import watch_driver
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with pytest.raises(ValueError, match=f"no process {dead.pid} to watch"):
+        watch_driver(None, driver_pid=dead.pid)
