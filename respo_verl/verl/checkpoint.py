@@ -4,8 +4,9 @@ verl 0.9.1 saves ``<trainer.default_local_dir>/global_step_<k>/`` and, once a sa
 ``latest_checkpointed_iteration.txt``; ``trainer.resume_mode=auto`` resumes from whatever that file names, whoever
 wrote it. Here:
 
-- every checkpoint the respo-verl trainer saves carries :data:`MARKER` (written after verl's save has returned, so
-  it also marks the checkpoint complete) with the run's :func:`fingerprint`;
+- every checkpoint the respo-verl trainer saves carries :data:`MARKER` with the run's :func:`fingerprint`, written
+  after verl's save has returned and the step's metrics are in the log, so it also marks the checkpoint complete
+  and its step logged;
 - before Ray starts, :func:`plan_resume` looks at the run's folder: a checkpoint of another configuration stops the
   run with one line naming both; a half-written newest checkpoint (a ``global_step_<k>`` folder without the marker)
   is reported loudly and the run resumes from the last complete one.
@@ -200,7 +201,10 @@ def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> R
     step, path = complete[-1]
     for k, p in steps:
         if k > step:
-            warnings.append(f"HALF-WRITTEN CHECKPOINT {p} (no {MARKER}): ignored; resuming from global_step_{step}")
+            warnings.append(
+                f"HALF-WRITTEN CHECKPOINT {p} (no {MARKER}: its save or its step's log line did not finish): "
+                f"ignored; resuming from global_step_{step}"
+            )
     info = json.loads((path / MARKER).read_text())
     ours = run or identity(cfg)
     if info.get("fingerprint") != ours["fingerprint"]:

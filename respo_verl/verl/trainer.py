@@ -4,9 +4,10 @@ Registered through verl's public trainer registry as ``respo_sync`` (:data:`REGI
 which waits until verl imports its V1 trainers) and selected by the algorithm presets with verl's own
 ``trainer.v1.trainer_mode``. It adds, to verl's ``PPOTrainerSync`` and nothing else:
 
-- **checkpoints that know their run.** After verl saves a checkpoint, :mod:`respo_verl.verl.checkpoint`'s marker
-  (the run's fingerprint) is written into it; before verl resumes, the folder is checked: a checkpoint of another
-  configuration stops the run, a half-written one is skipped loudly (:func:`respo_verl.verl.checkpoint.plan_resume`).
+- **checkpoints that know their run.** After verl has saved a checkpoint and logged its step's metrics,
+  :mod:`respo_verl.verl.checkpoint`'s marker (the run's fingerprint) is written into it; before verl resumes, the
+  folder is checked: a checkpoint of another configuration stops the run, one without the marker (half-written, or
+  its step's line never logged) is skipped loudly (:func:`respo_verl.verl.checkpoint.plan_resume`).
 - **a log that keeps every step.** verl's file logger opens its file with ``"wb"``; the trainer applies
   :data:`respo_verl.patches.verl_0_9_1.FILE_LOGGER_APPEND`, under which a resumed run appends to its log after a
   line that marks the resume (:data:`respo_verl.patches.verl_0_9_1.RESUME_EVENT`).
@@ -166,12 +167,30 @@ def _trainer_class() -> type:
                         self.config.trainer.resume_mode = "auto"
             return super()._load_checkpoint()
 
+        def on_train_begin(self):
+            super().on_train_begin()
+            log = self.logger.log  # verl's Tracking, built by fit() before this hook
+
+            def log_then_mark(*args, **kwargs):
+                log(*args, **kwargs)
+                self._mark_saved_step(kwargs.get("step", args[1] if len(args) > 1 else None))
+
+            self.logger.log = log_then_mark
+
         def _save_checkpoint(self):
             super()._save_checkpoint()
-            folder = Path(checkpoint.checkpoint_folder(self.config)) / f"global_step_{self.global_steps}"
-            folder.mkdir(parents=True, exist_ok=True)
-            checkpoint.write_marker_info(folder, {**self._run, "step": int(self.global_steps)})
             self._saved_step = self.global_steps
+            # verl logs the step's metrics after its save (and after validation): the marker waits for that line,
+            # so that a run killed in between redoes the step from the checkpoint before instead of losing its line.
+            self._unmarked_step = self.global_steps
+
+        def _mark_saved_step(self, step) -> None:
+            if step is None or getattr(self, "_unmarked_step", None) != step:
+                return
+            folder = Path(checkpoint.checkpoint_folder(self.config)) / f"global_step_{step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            checkpoint.write_marker_info(folder, {**self._run, "step": int(step)})
+            self._unmarked_step = None
 
         def on_step_end(self):
             super().on_step_end()
