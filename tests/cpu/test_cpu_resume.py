@@ -1,9 +1,11 @@
 """A run that survives pre-emption, end to end on CPU: ``python -m respo_verl.main_ppo algorithm=respo +device=cpu``.
 
 Real subprocesses of our entry point with verl's V1 trainer (the respo-verl trainer registered in it), Ray, FSDP2 on
-gloo and the hf_cpu rollout server; nothing is mocked. One test walks a run through a pre-emption notice (SIGTERM to
-the driver), its relaunch, and a relaunch of another configuration into the same folder, against an uninterrupted
-run of the same command; one stops a collapsed policy. About six minutes together on a 2-core machine.
+gloo and the hf_cpu rollout server; nothing is mocked. Against one uninterrupted run of the command (shared by the
+module): a run walked through a pre-emption notice (SIGTERM to the driver), its relaunch, and a relaunch of another
+configuration into the same folder; a run whose driver is killed with SIGKILL after its periodic checkpoint of step
+2, whose Ray processes must then be gone within the reaper's bound, and its relaunch. One more stops a collapsed
+policy. About nine minutes together on a 2-core machine.
 
 The runs use verl's ``rollout.full_determinism``: the CPU rollout server then samples each request from (seed, step,
 request id), so two fresh runs log the same metrics and the resumed run can be compared with the uninterrupted one
@@ -27,6 +29,7 @@ import pytest
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
 from respo_verl.tools.runs.logs import read_log
 from respo_verl.verl.checkpoint import MARKER, TRACKER
+from respo_verl.verl.reaper import REAP_BOUND_S
 
 pytestmark = pytest.mark.slow
 
@@ -137,15 +140,33 @@ def _final_weights(folder: Path, step: int) -> dict:
     return {f.name: torch.load(f, map_location="cpu", weights_only=False) for f in files}
 
 
-def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_refused(kit, tmp_path):
+DETERMINISTIC = "actor_rollout_ref.rollout.full_determinism=true"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(kit, tmp_path_factory) -> Path:
+    """The folder of one uninterrupted 4-step run (its log.jsonl and ckpt/), the reference of the resumed runs."""
+    reference = tmp_path_factory.mktemp("uninterrupted")
+    rc, out = _launch(reference, _command(reference / "ckpt", 2, 4, "trainer.save_freq=3", DETERMINISTIC))
+    assert rc == 0, out[-4000:]
+    return reference
+
+
+def _assert_resumed_exactly(run: Path, reference: Path) -> None:
+    """Every step's metrics, and the final weights, are those of the uninterrupted run."""
+    _assert_same_metrics(_metrics_by_step(run / "log.jsonl"), _metrics_by_step(reference / "log.jsonl"))
+    resumed_weights, reference_weights = _final_weights(run / "ckpt", 4), _final_weights(reference / "ckpt", 4)
+    assert resumed_weights.keys() == reference_weights.keys()
+    for name, state in reference_weights.items():
+        assert state.keys() == resumed_weights[name].keys()
+        for key, tensor in state.items():
+            assert torch_equal(resumed_weights[name][key], tensor), (name, key)
+
+
+def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_refused(uninterrupted, tmp_path):
     folder = tmp_path / "ckpt"
     # save_freq 3: the checkpoint at step 2 exists only because the pre-emption notice asked for it
-    extra = ("trainer.save_freq=3", "actor_rollout_ref.rollout.full_determinism=true")
-    command = _command(folder, 2, 4, *extra)
-
-    reference = tmp_path / "uninterrupted"
-    rc, out = _launch(reference, _command(reference / "ckpt", 2, 4, *extra))
-    assert rc == 0, out[-4000:]
+    command = _command(folder, 2, 4, "trainer.save_freq=3", DETERMINISTIC)
 
     rc, out = _launch(tmp_path, command, sigterm_after_step=1)
     assert rc == 0, out[-4000:]
@@ -167,14 +188,7 @@ def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_ref
     assert [line.get("event") for line in lines] == [None] * stopped + ["resume"] + [None] * (4 - stopped)
     assert (folder / "global_step_4" / MARKER).is_file()
 
-    # Exact resume: every step's metrics, and the final weights, are those of the uninterrupted run.
-    _assert_same_metrics(_metrics_by_step(tmp_path / "log.jsonl"), _metrics_by_step(reference / "log.jsonl"))
-    resumed_weights, reference_weights = _final_weights(folder, 4), _final_weights(reference / "ckpt", 4)
-    assert resumed_weights.keys() == reference_weights.keys()
-    for name, state in reference_weights.items():
-        assert state.keys() == resumed_weights[name].keys()
-        for key, tensor in state.items():
-            assert torch_equal(resumed_weights[name][key], tensor), (name, key)
+    _assert_resumed_exactly(tmp_path, uninterrupted)
 
     # Another configuration (N = 1) launched into the same folder: refused before Ray starts, naming both.
     rc, out = _launch(tmp_path, _command(folder, 1, 4, "trainer.save_freq=3"))
@@ -183,6 +197,102 @@ def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_ref
     assert "data.train_batch_size: 4 -> 2" in out
     assert "TaskRunner" not in out
     assert len(_logged_steps(tmp_path / "log.jsonl")) == 4  # nothing ran
+
+
+def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float = 600) -> dict:
+    """Run ``command`` and SIGKILL its driver as soon as ``marker`` exists; then wait up to the reaper's bound for
+    every process of the driver's tree (recorded with psutil right before the kill: Ray's GCS, raylet, agents and
+    workers, verl's TaskRunner among them) and every process naming the run's Ray temp dir to be gone.
+
+    Returns what the driver had logged at the kill, the processes recorded, those left after the bound, and the
+    output (the reaper writes its line there after the kill)."""
+    import psutil
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log = tmp_path / "log.jsonl"
+    ray_tmp = tempfile.mkdtemp(prefix="rv-ray-", dir="/tmp")
+    out_path = tmp_path / f"out-{time.monotonic_ns()}.txt"
+
+    def naming_ray_tmp() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if any(ray_tmp in arg for arg in proc.cmdline()):
+                    found.append(proc)
+            except psutil.Error:
+                pass
+        return found
+
+    def running(procs: list[psutil.Process]) -> list[psutil.Process]:
+        # is_running() compares the creation time too: a reused pid is not taken for the recorded process
+        return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    try:
+        with out_path.open("w") as out:
+            proc = subprocess.Popen(
+                [*command, f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"],
+                cwd=tmp_path,
+                env=_env(log),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and not marker.is_file() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert proc.poll() is None and marker.is_file(), out_path.read_text(errors="replace")[-4000:]
+            logged = _logged_steps(log)
+            driver = psutil.Process(proc.pid)
+            tree = {p.pid: p for p in [*driver.children(recursive=True), *naming_ray_tmp()] if p.pid != proc.pid}
+            described = {pid: " ".join(p.cmdline())[:120] for pid, p in tree.items()}
+            proc.kill()
+            proc.wait()
+            killed = time.monotonic()
+            while running(list(tree.values())) and time.monotonic() < killed + REAP_BOUND_S:
+                time.sleep(0.2)
+            left = {p.pid: described[p.pid] for p in running(list(tree.values()))}
+            left.update({p.pid: " ".join(p.cmdline())[:120] for p in running(naming_ray_tmp())})
+            gone_after = time.monotonic() - killed
+            time.sleep(1)  # the reaper's line, written as it ends
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return {
+        "logged": logged,
+        "recorded": described,
+        "left": left,
+        "gone_after": gone_after,
+        "out": out_path.read_text(errors="replace"),
+    }
+
+
+def test_sigkill_after_a_periodic_checkpoint_ray_is_gone_and_the_relaunch_resumes_exactly(uninterrupted, tmp_path):
+    """The driver killed with SIGKILL once global_step_2 is complete (save_freq 1): no process of its Ray session is
+    left after the reaper's bound, the relaunch resumes from the newest complete checkpoint, the log holds steps 1-4
+    once each (a step the killed attempt logged after its checkpoint is logged again and counted once), and every
+    metric and the final weights equal the uninterrupted run's (which saved every third step: saving changes
+    nothing)."""
+    folder = tmp_path / "ckpt"
+    command = _command(folder, 2, 4, "trainer.save_freq=1", DETERMINISTIC)
+    killed = _kill_after(tmp_path, command, folder / "global_step_2" / MARKER)
+    names = " | ".join(killed["recorded"].values())
+    assert "raylet" in names and "gcs_server" in names and "ray::TaskRunner" in names, names
+    assert not killed["left"], (f"left {killed['gone_after']:.1f} s after SIGKILL", killed["left"])
+    assert "respo-verl reaper: driver" in killed["out"], killed["out"][-3000:]
+    # The marker is written after the step's line: a complete checkpoint's step is in the log.
+    assert killed["logged"][:2] == [1, 2], killed["logged"]
+    first_attempt = _logged_steps(tmp_path / "log.jsonl")
+    assert first_attempt == list(range(1, len(first_attempt) + 1)) and len(first_attempt) in (2, 3), first_attempt
+
+    resumed_from = max(int(p.parent.name.split("_")[-1]) for p in folder.glob(f"global_step_*/{MARKER}"))
+    rc, out = _launch(tmp_path, command)
+    assert rc == 0, out[-4000:]
+    assert f"global_step_{resumed_from}" in out and "Resuming from" in out, out[-4000:]
+    log = read_log(tmp_path / "log.jsonl")
+    assert log.attempts == 2 and log.complete_through(4) and log.steps == [1, 2, 3, 4], (log.steps, log.continuity)
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    steps_then_events = [line.get("step", line.get("event")) for line in lines]
+    assert steps_then_events == [*first_attempt, "resume", *range(resumed_from + 1, 5)], steps_then_events
+    assert (folder / "global_step_4" / MARKER).is_file()
+    _assert_resumed_exactly(tmp_path, uninterrupted)
 
 
 def torch_equal(a, b) -> bool:
