@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.mini import experiment, protocol, summary
+from experiments.mini import experiment, protocol, summary, tasks
 from respo_verl import algorithms
 from respo_verl.tools.runs.machine import describe as describe_machine
 from respo_verl.tools.runs.options import reuse_list, seed_list
@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--minibatch-prompts", type=int, default=protocol.MINIBATCH_PROMPTS, help="prompts per mini-batch"
     )
     parser.add_argument("--group-size", type=int, default=protocol.GROUP_SIZE, help="responses per prompt G")
+    parser.add_argument(
+        "--task",
+        choices=tasks.NAMES,
+        default=tasks.DEFAULT,
+        help=f"the task (default {tasks.DEFAULT}; fork: know when to stop, both tails of W, docs/mini.md)",
+    )
     parser.add_argument("--moe", action="store_true", help="tiny Qwen3-MoE (4 experts, top-2) instead of dense")
     parser.add_argument(
         "--routing-replay",
@@ -219,7 +225,8 @@ class _Session:
         self.versions = {"respo-verl": importlib.metadata.version("respo-verl"), **self.host}
         self.spec = model_lib.ModelSpec(moe=args.moe)
         self.cache_dir = args.cache_dir or model_lib.DEFAULT_CACHE_DIR
-        warm_steps = {} if args.warm_start_steps is None else {"steps": args.warm_start_steps}
+        steps = tasks.get(args.task).warm_start_steps if args.warm_start_steps is None else args.warm_start_steps
+        warm_steps = {} if steps is None else {"steps": steps}
         seeds = sorted({protocol.warm_seed(s) for s in args.seeds})
         self.warms = {w: model_lib.WarmStart(seed=w, **warm_steps) for w in seeds}
 
@@ -235,7 +242,12 @@ class _Session:
             with self._bar(warm.steps, "step") as bar:
                 bar.set_description(f"warm start {w}")
                 _, origin = model_lib.warm_start(
-                    self.spec, warm, self.cache_dir, on_step=lambda _: bar.update(1), shipped=not self.args.train_base
+                    self.spec,
+                    warm,
+                    self.cache_dir,
+                    on_step=lambda _: bar.update(1),
+                    shipped=not self.args.train_base,
+                    task_name=self.args.task,
                 )
             print(f"base model {w} ({'Qwen3-MoE' if self.args.moe else 'Qwen3'}): {origin}", flush=True)
         experiment.preload(self.args.algos)
@@ -257,6 +269,7 @@ class _Session:
                 warm_seed=protocol.warm_seed(seed),
                 routing_replay=a.routing_replay,
                 held_out=a.held_out,
+                task=a.task,
             )
             for algo, n, lr, seed in runs
         ]

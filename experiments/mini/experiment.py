@@ -162,7 +162,7 @@ def run_job(job: Job, progress=None) -> JobResult:
     from experiments.mini import regime
     from experiments.mini.train import train
 
-    base, _ = model_lib.warm_start(job.spec, job.warm, job.cache_dir, shipped=job.shipped)
+    base, _ = model_lib.warm_start(job.spec, job.warm, job.cache_dir, shipped=job.shipped, task_name=job.cfg.task)
     pending = [0]
 
     def tick(step: int) -> None:
@@ -255,7 +255,7 @@ def _execute_in_workers(jobs: list[Job], workers: int, bar) -> list[JobResult]:
     return results
 
 
-LATER_OPTIONS = {"held_out": False}
+LATER_OPTIONS = {"held_out": False, "task": "chain"}
 
 
 def config_hash(cfg) -> str:

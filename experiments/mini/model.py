@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.mini import task
+from experiments.mini import task, tasks
 from experiments.mini.rollout import Rollout, response_log_prob
 from respo_verl.cpu.kit.model import CACHE_ROOT, build_tiny_qwen3
 
@@ -60,7 +60,9 @@ class WarmStart:
     Its data are complete chains and chains that break off (``task.broken_answer``): at every step a chain breaks
     off with a per-step hazard, half of the time by giving up (``?``), half of the time by a slip (a word of another
     step). The hazard is set so that ``base_success`` of the data is complete for a prompt of average difficulty,
-    and each prompt scales it by 2^(difficulty · (Σ digits − 6) / 3) (:func:`hazard`).
+    and each prompt scales it by 2^(difficulty · (Σ digits − 6) / 3) (:func:`hazard`). Another task (``fork.py``)
+    makes its own data (``tasks.Task.warm_start_answers``): of this recipe it uses ``steps``, ``batch_size``, ``lr``
+    and ``seed``; ``base_success``, ``give_up_share`` and ``difficulty`` are the chain task's data knobs.
 
     Attributes:
         steps: optimizer steps.
@@ -101,13 +103,15 @@ def hazard(digits: torch.Tensor, warm: WarmStart) -> torch.Tensor:
     return (1.0 - (1.0 - average) ** scale).float()
 
 
-def build_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
-    """A freshly initialised tiny causal LM in fp32 on CPU (the package's tiny-Qwen3 factory)."""
+def build_model(spec: ModelSpec, seed: int, task_name: str = tasks.DEFAULT) -> torch.nn.Module:
+    """A freshly initialised tiny causal LM in fp32 on CPU (the package's tiny-Qwen3 factory), sized for the task
+    ``task_name`` (``tasks.TASKS``: its vocabulary and longest prompt and response)."""
+    grammar = tasks.get(task_name).module
     model = build_tiny_qwen3(
         spec,
-        vocab_size=task.VOCAB_SIZE,
+        vocab_size=grammar.VOCAB_SIZE,
         seed=seed,
-        max_position_embeddings=task.PROMPT_LEN + task.MAX_RESPONSE_LEN,
+        max_position_embeddings=grammar.PROMPT_LEN + grammar.MAX_RESPONSE_LEN,
         tie_word_embeddings=True,
         pad_token_id=task.PAD,
         bos_token_id=task.BOS,
@@ -116,34 +120,49 @@ def build_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def recipe_key(spec: ModelSpec, warm: WarmStart) -> str:
-    """Hash of the recipe of the base model: the model, the warm start and the task (not the machine)."""
-    payload = json.dumps(
-        {
-            "spec": asdict(spec),
-            "warm": asdict(warm),
-            "version": WARM_START_VERSION,
-            "vocab": task.VOCAB_SIZE,
-            "task": [task.N_DIGITS, task.MAX_DIGIT, task.N_STEPS, task.WORDS_PER_STEP],
-        },
-        sort_keys=True,
-    )
+def recipe_key(spec: ModelSpec, warm: WarmStart, task_name: str = tasks.DEFAULT) -> str:
+    """Hash of the recipe of the base model: the model, the warm start and the task (not the machine).
+
+    The chain task's key is the one its shipped base models carry; another task's adds its own recipe
+    (``tasks.Task.recipe``)."""
+    recipe = {
+        "spec": asdict(spec),
+        "warm": asdict(warm),
+        "version": WARM_START_VERSION,
+        "vocab": task.VOCAB_SIZE,
+        "task": [task.N_DIGITS, task.MAX_DIGIT, task.N_STEPS, task.WORDS_PER_STEP],
+    }
+    own = tasks.get(task_name).recipe
+    if own is not None:
+        recipe["task"] = own
+        del recipe["vocab"]  # in the task's own recipe
+    payload = json.dumps(recipe, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def cache_key(spec: ModelSpec, warm: WarmStart) -> str:
+def cache_key(spec: ModelSpec, warm: WarmStart, task_name: str = tasks.DEFAULT) -> str:
     """Hash of everything that determines a base model trained here: the recipe and the torch version."""
-    payload = json.dumps({"recipe": recipe_key(spec, warm), "torch": torch.__version__.split("+")[0]})
+    payload = json.dumps({"recipe": recipe_key(spec, warm, task_name), "torch": torch.__version__.split("+")[0]})
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def shipped_path(spec: ModelSpec, warm: WarmStart) -> Path:
+def shipped_path(spec: ModelSpec, warm: WarmStart, task_name: str = tasks.DEFAULT) -> Path:
     """Where the package keeps the base model of this recipe, when it ships one (:data:`SHIPPED_DIR`)."""
-    return SHIPPED_DIR / f"{recipe_key(spec, warm)}.pt"
+    return SHIPPED_DIR / f"{recipe_key(spec, warm, task_name)}.pt"
 
 
-def _sft_batch(warm: WarmStart, generator: torch.Generator) -> Rollout:
-    """A batch of warm-start data: complete chains and chains that break off (:class:`WarmStart`)."""
+def _sft_batch(warm: WarmStart, generator: torch.Generator, task_name: str = tasks.DEFAULT) -> Rollout:
+    """A batch of warm-start data: for the chain task complete chains and chains that break off
+    (:class:`WarmStart`); for another task its own answers (``tasks.Task.warm_start_answers``)."""
+    answers = tasks.get(task_name).warm_start_answers
+    if answers is not None:
+        grammar = tasks.get(task_name).module
+        prompts = grammar.sample_prompts(warm.batch_size, generator)
+        response = torch.full((warm.batch_size, grammar.MAX_RESPONSE_LEN), grammar.PAD, dtype=torch.long)
+        for i, row in enumerate(answers(prompts, generator)):
+            response[i, : len(row)] = torch.tensor(row)
+        lengths = grammar.response_lengths(response)  # (N,)
+        return Rollout(prompts, response, torch.arange(grammar.MAX_RESPONSE_LEN).unsqueeze(0) < lengths.unsqueeze(1))
     prompts = task.sample_prompts(warm.batch_size, generator)
     breaks = torch.rand(warm.batch_size, task.N_STEPS, generator=generator) < hazard(prompts.digits, warm)[:, None]
     give_up = torch.rand(warm.batch_size, generator=generator) < warm.give_up_share  # (N,)
@@ -182,6 +201,7 @@ def warm_start(
     cache_dir: Path | None = DEFAULT_CACHE_DIR,
     on_step: Callable[[int], None] | None = None,
     shipped: bool = True,
+    task_name: str = tasks.DEFAULT,
 ) -> tuple[torch.nn.Module, str]:
     """The base model: the package's copy of it, or the cached one, or trained (minutes) and cached.
 
@@ -190,16 +210,17 @@ def warm_start(
         cache_dir: where trained base models are kept (None: neither read nor written).
         on_step: called with the step after every warm-start step (progress bars); not called when loading.
         shipped: load the package's base model of this recipe when it has one (:func:`shipped_path`).
+        task_name: the task (``tasks.TASKS``) whose warm-start data make the base model.
 
     Returns:
         ``(model, origin)``, origin a short note of where the weights came from (for the run's log).
     """
-    model = build_model(spec, warm.seed)
-    if shipped and shipped_path(spec, warm).exists():
-        path = shipped_path(spec, warm)
+    model = build_model(spec, warm.seed, task_name)
+    if shipped and shipped_path(spec, warm, task_name).exists():
+        path = shipped_path(spec, warm, task_name)
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return model.eval(), f"shipped with the package ({path.name})"
-    key = cache_key(spec, warm)
+    key = cache_key(spec, warm, task_name)
     path = None if cache_dir is None else Path(cache_dir) / f"{key}.pt"
     if path is not None and path.exists():
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -212,7 +233,7 @@ def warm_start(
     )
     model.train()
     for step in range(warm.steps):
-        batch = _sft_batch(warm, generator)
+        batch = _sft_batch(warm, generator, task_name)
         loss = -log_likelihood(model, batch) / batch.response_mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -11,6 +11,11 @@ has moved the policy), for the positive responses (A > 0) with log W < −1 ("st
    :data:`MAX_SINGLE_TOKEN_SHARE`.
 
 The checks are defined at N = 32 (the paper's largest reuse); they are computed and printed for every run.
+
+A task whose wrong answers are long (``fork.py``; ``tasks.Task.high_tail``) adds a fourth check, for the paper's
+other tail, the over-generated negatives: of the negative responses (A < 0) of the stale half, at least
+:data:`MIN_HIGH_TAIL_SHARE` have log W > :data:`HIGH_TAIL_LOG_W` (W > e). The chain task's runs neither log its counts
+nor take the check.
 """
 
 from __future__ import annotations
@@ -31,20 +36,32 @@ MAX_SINGLE_TOKEN_SHARE = 0.25
 REGIME_REUSE = 32
 PREFIX = "mini/regime/"
 COUNT_KEYS = ("positives", "starved", "starved_tokens", "starved_tokens_outside_band")
+# The high tail (docs/mini.md, "The second task", where the threshold's reasoning is): negatives with W > e. The
+# share was fixed before any run of the second task: at 5 % of the negatives, each with W > e, they hold at least
+# 5 % × e ≈ 14 % of the negatives' plain importance weight (E_μ[W] = 1), about the weight that check 1's 15 % gives
+# the starved positives by count: enough for the shape of φ− above W = e to matter.
+HIGH_TAIL_LOG_W = 1.0
+MIN_HIGH_TAIL_SHARE = 0.05
+HIGH_TAIL_KEYS = ("negatives", "negatives_high")
 
 
 def update_counts(
-    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    high_tail: bool = False,
 ) -> tuple[dict[str, float], list[float]]:
     """Regime counts of one mini-batch and the single-token shares of its starved positives.
 
     Args:
         log_prob, old_log_prob, advantages: (B, T).
         response_mask: (B, T) bool.
+        high_tail: count the negatives and those with log W > HIGH_TAIL_LOG_W too (:data:`HIGH_TAIL_KEYS`).
 
     Returns:
-        ``(counts, shares)``: counts under :data:`PREFIX` (:data:`COUNT_KEYS`), and per starved positive the share
-        of its log W carried by its most negative token.
+        ``(counts, shares)``: counts under :data:`PREFIX` (:data:`COUNT_KEYS`, and :data:`HIGH_TAIL_KEYS` with
+        ``high_tail``), and per starved positive the share of its log W carried by its most negative token.
     """
     with torch.no_grad():
         delta_tok = torch.where(response_mask, log_prob - old_log_prob, 0.0)  # (B, T)
@@ -63,6 +80,10 @@ def update_counts(
             "starved_tokens": float(n_tok_seq[starved].sum()),
             "starved_tokens_outside_band": float(outside_tok[starved].sum()),
         }
+        if high_tail:
+            negative = (adv_seq < 0) & (n_tok_seq > 0)  # (B,)
+            counts["negatives"] = float(negative.sum())
+            counts["negatives_high"] = float((negative & (log_w_seq > HIGH_TAIL_LOG_W)).sum())
     return {PREFIX + k: v for k, v in counts.items()}, share_seq[starved].tolist()
 
 
@@ -72,6 +93,7 @@ class Check(enum.Enum):
     STARVED = "starved_share"
     BAND = "tokens_outside_band"
     SINGLE_TOKEN = "median_single_token_share"
+    HIGH_TAIL = "high_tail_share"
 
     @property
     def label(self) -> str:
@@ -79,6 +101,7 @@ class Check(enum.Enum):
             Check.STARVED: f"starved positives >= {MIN_STARVED_SHARE:.0%}",
             Check.BAND: f"their tokens outside [{RATIO_BAND[0]}, {RATIO_BAND[1]}] < {MAX_TOKENS_OUTSIDE_BAND:.0%}",
             Check.SINGLE_TOKEN: f"median single-token share of log W <= {MAX_SINGLE_TOKEN_SHARE:.0%}",
+            Check.HIGH_TAIL: f"negatives with log W > +{HIGH_TAIL_LOG_W:g} >= {MIN_HIGH_TAIL_SHARE:.0%}",
         }[self]
 
 
@@ -92,6 +115,8 @@ class RegimeCheck:
         starved_share: starved positives / positives.
         tokens_outside_band: share of the starved positives' tokens with a ratio outside :data:`RATIO_BAND`.
         median_single_token_share: median over starved positives of their most negative token's share of log W.
+        negatives, high_tail_share: the negative responses of the stale half and the share of them with
+            log W > HIGH_TAIL_LOG_W; None for a task without the high-tail check (the chain task).
     """
 
     reuse: int
@@ -99,14 +124,19 @@ class RegimeCheck:
     starved_share: float
     tokens_outside_band: float
     median_single_token_share: float
+    negatives: int | None = None
+    high_tail_share: float | None = None
 
     @property
     def checks(self) -> dict[Check, bool]:
-        return {
+        out = {
             Check.STARVED: self.starved_share >= MIN_STARVED_SHARE,
             Check.BAND: self.tokens_outside_band < MAX_TOKENS_OUTSIDE_BAND,
             Check.SINGLE_TOKEN: self.median_single_token_share <= MAX_SINGLE_TOKEN_SHARE,
         }
+        if self.high_tail_share is not None:
+            out[Check.HIGH_TAIL] = self.high_tail_share >= MIN_HIGH_TAIL_SHARE
+        return out
 
     @property
     def holds(self) -> bool:
@@ -119,10 +149,15 @@ class RegimeCheck:
             if self.holds
             else "NOT in the regime: " + "; ".join(k.label for k, ok in self.checks.items() if not ok)
         )
+        tail = (
+            ""
+            if self.high_tail_share is None
+            else f", negatives with log W > +{HIGH_TAIL_LOG_W:g} {self.high_tail_share:.1%} of {self.negatives}"
+        )
         return (
             f"N = {self.reuse}: starved positives {self.starved_share:.1%} of {self.positives} positives, "
             f"their tokens outside [{RATIO_BAND[0]}, {RATIO_BAND[1]}] {self.tokens_outside_band:.2%}, median "
-            f"single-token share of log W {self.median_single_token_share:.1%} -> {verdict}"
+            f"single-token share of log W {self.median_single_token_share:.1%}{tail} -> {verdict}"
         )
 
 
@@ -131,14 +166,24 @@ def stale_totals(reuse: int, records: list[dict]) -> dict[str, float]:
 
     Args:
         reuse: N.
-        records: ``{"step", "data"}`` records with :data:`COUNT_KEYS` and ``mini/minibatch``.
+        records: ``{"step", "data"}`` records with :data:`COUNT_KEYS` (and :data:`HIGH_TAIL_KEYS`, when logged) and
+            ``mini/minibatch``.
     """
     stale = [r["data"] for r in records if r["data"]["mini/minibatch"] >= reuse // 2]
-    return {k: sum(d[PREFIX + k] for d in stale) for k in COUNT_KEYS}
+    keys = COUNT_KEYS + (HIGH_TAIL_KEYS if stale and PREFIX + HIGH_TAIL_KEYS[0] in stale[0] else ())
+    return {k: sum(d[PREFIX + k] for d in stale) for k in keys}
 
 
 def from_totals(reuse: int, totals: dict[str, float], shares: list[float]) -> RegimeCheck:
-    """The regime statistics of stale-half counts (:func:`stale_totals`) and the starved positives' shares."""
+    """The regime statistics of stale-half counts (:func:`stale_totals`) and the starved positives' shares; the
+    high tail's where the counts have it."""
+    tail = {}
+    if all(k in totals for k in HIGH_TAIL_KEYS):
+        negatives = totals["negatives"]
+        tail = {
+            "negatives": int(negatives),
+            "high_tail_share": totals["negatives_high"] / negatives if negatives else math.nan,
+        }
     return RegimeCheck(
         reuse=reuse,
         positives=int(totals["positives"]),
@@ -147,6 +192,7 @@ def from_totals(reuse: int, totals: dict[str, float], shares: list[float]) -> Re
             totals["starved_tokens_outside_band"] / totals["starved_tokens"] if totals["starved_tokens"] else math.nan
         ),
         median_single_token_share=statistics.median(shares) if shares else math.nan,
+        **tail,
     )
 
 
@@ -166,5 +212,6 @@ def pool(reuse: int, runs: list[tuple[dict[str, float], list[float]]]) -> Regime
     shares in one median. Each run is ``(stale_totals, shares)``."""
     if not runs:
         raise ValueError("no runs to pool")
-    totals = {k: sum(t[k] for t, _ in runs) for k in COUNT_KEYS}
+    keys = COUNT_KEYS + (HIGH_TAIL_KEYS if all(k in t for t, _ in runs for k in HIGH_TAIL_KEYS) else ())
+    totals = {k: sum(t[k] for t, _ in runs) for k in keys}
     return from_totals(reuse, totals, [x for _, shares in runs for x in shares])

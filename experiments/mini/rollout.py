@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from experiments.mini.task import EOS, PAD, Prompts, breaks_grammar, response_lengths
+from experiments.mini import task
+from experiments.mini.task import EOS, PAD, Prompts
 
 
 @dataclass
@@ -33,7 +35,13 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, prompts: Prompts, max_new_tokens: int, generator: torch.Generator) -> Rollout:
+def sample(
+    model: torch.nn.Module,
+    prompts: Prompts,
+    max_new_tokens: int,
+    generator: torch.Generator,
+    grammar: ModuleType = task,
+) -> Rollout:
     """Sample one response per prompt row at temperature 1 (top-p 1, no top-k), with the model's KV cache.
 
     A response ends at ``<eos>`` or at its first token that breaks the task's grammar (``task.breaks_grammar``: an
@@ -44,6 +52,8 @@ def sample(model: torch.nn.Module, prompts: Prompts, max_new_tokens: int, genera
         prompts: (B, L) left-padded prompts.
         max_new_tokens: response budget; a response still going by then is cut there.
         generator: the only source of randomness of the sampling.
+        grammar: the task's module (``tasks.Task.module``), whose ``breaks_grammar`` and ``response_lengths`` end
+            the responses; the chain task's by default. Its ``<eos>`` and ``<pad>`` are the chain task's ids.
     """
     batch = prompts.input_ids.shape[0]
     attention_mask = prompts.attention_mask.clone()  # (B, L)
@@ -63,7 +73,7 @@ def sample(model: torch.nn.Module, prompts: Prompts, max_new_tokens: int, genera
         token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
         token = torch.where(finished, PAD, token)
         tokens.append(token)
-        finished |= (token == EOS) | breaks_grammar(token, step)
+        finished |= (token == EOS) | grammar.breaks_grammar(token, step)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones(batch, 1, dtype=attention_mask.dtype)], dim=1)
@@ -81,7 +91,7 @@ def sample(model: torch.nn.Module, prompts: Prompts, max_new_tokens: int, genera
     if response.shape[1] < max_new_tokens:
         pad = torch.full((batch, max_new_tokens - response.shape[1]), PAD, dtype=response.dtype)
         response = torch.cat([response, pad], dim=1)
-    lengths = response_lengths(response)  # (B,)
+    lengths = grammar.response_lengths(response)  # (B,)
     response_mask = torch.arange(max_new_tokens).unsqueeze(0) < lengths.unsqueeze(1)  # (B, T)
     return Rollout(prompts, response, response_mask)
 

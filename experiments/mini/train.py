@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import torch
 
-from experiments.mini import regime, task
+from experiments.mini import regime, tasks
 from experiments.mini.rollout import Rollout, response_log_prob, response_log_prob_no_grad, sample
 from respo_verl.core import kernel_diagnostics
 from respo_verl.core.config import DEFAULT_LOG_W_CLIP
@@ -60,6 +60,7 @@ class RunConfig:
             every update forward of the same rollout batch, so log W carries no expert flips (docs/routing-replay.md).
         held_out: train only on the problems outside ``task.held_out_problems()`` and score the final policy on
             those held out (:func:`evaluate`, logged with the last update as ``mini/eval/*``).
+        task: the task's name (``tasks.TASKS``); a run of another task than the chain task carries it in its name.
     """
 
     algorithm: str
@@ -73,6 +74,7 @@ class RunConfig:
     weight_decay: float = 0.1
     routing_replay: bool = False
     held_out: bool = False
+    task: str = tasks.DEFAULT
 
     @property
     def training_steps(self) -> int:
@@ -82,7 +84,8 @@ class RunConfig:
     def name(self) -> str:
         replay = "_r2" if self.routing_replay else ""
         held_out = "_ho" if self.held_out else ""
-        return f"{self.algorithm}_n{self.reuse}_lr{self.lr:.0e}_w{self.warm_seed}_seed{self.seed}{replay}{held_out}"
+        name = f"{self.algorithm}_n{self.reuse}_lr{self.lr:.0e}_w{self.warm_seed}_seed{self.seed}{replay}{held_out}"
+        return tasks.get(self.task).run_name(name)
 
 
 @dataclass
@@ -200,13 +203,18 @@ def _masked_mean(values: torch.Tensor, member: torch.Tensor) -> float:
     return float(values[member].float().mean()) if bool(member.any()) else math.nan
 
 
-def rollout_metrics(rollout: Rollout, reward: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
-    """verl's data metrics of the rollout batch (verl's names) plus ours under ``mini/``."""
+def rollout_metrics(
+    rollout: Rollout, reward: torch.Tensor, advantages: torch.Tensor, task: tasks.Task | None = None
+) -> dict[str, float]:
+    """verl's data metrics of the rollout batch (verl's names) plus ours under ``mini/``, the shares of the task's
+    endings (``tasks.Task.ending_metrics``) among them."""
+    task = task or tasks.get(tasks.DEFAULT)
+    grammar = task.module
     lengths = rollout.response_mask.sum(dim=1).float()  # (B,)
     correct = reward > 0  # (B,)
     adv_valid = advantages[rollout.response_mask]
-    ending = task.ending(rollout.response)  # (B,)
-    ended_by_eos = (rollout.response == task.EOS).any(dim=1)  # (B,)
+    ending = task.ending(rollout.response, rollout.prompts)  # (B,)
+    ended_by_eos = (rollout.response == grammar.EOS).any(dim=1)  # (B,)
     return {
         # verl: score = sequence score from the reward function (here ±1), rewards = score without KL penalty.
         "critic/score/mean": float(reward.mean()),
@@ -222,14 +230,13 @@ def rollout_metrics(rollout: Rollout, reward: torch.Tensor, advantages: torch.Te
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
         # verl's share of responses that reach the length budget without <eos> (the grammar ends them before).
-        "response_length/clip_ratio": float(((lengths >= task.MAX_RESPONSE_LEN) & ~ended_by_eos).float().mean()),
+        "response_length/clip_ratio": float(((lengths >= grammar.MAX_RESPONSE_LEN) & ~ended_by_eos).float().mean()),
         # The paper's score (reward + 1) / 2 of the rollout batch.
         "mini/score": float(((reward + 1) / 2).mean()),
         "mini/response_length/correct_mean": _masked_mean(lengths, correct),
         "mini/response_length/wrong_mean": _masked_mean(lengths, ~correct),
-        "mini/gave_up_frac": float((ending == task.Ending.GAVE_UP).float().mean()),
-        "mini/slipped_frac": float((ending == task.Ending.SLIPPED).float().mean()),
-        "mini/steps_written/wrong_mean": _masked_mean(task.steps_written(rollout.response).float(), ~correct),
+        **{f"mini/{name}_frac": float((ending == value).float().mean()) for name, value in task.ending_metrics.items()},
+        "mini/steps_written/wrong_mean": _masked_mean(grammar.steps_written(rollout.response).float(), ~correct),
     }
 
 
@@ -267,19 +274,20 @@ class _RunState:
     replay: RoutingReplay | None
     prompt_gen: torch.Generator
     sample_gen: torch.Generator
+    task: tasks.Task
     step: int = 0
 
 
 def collect(state: _RunState, training_step: int) -> RolloutBatch:
     """Sample a rollout batch from the current policy, score it, compute advantages and π_old."""
-    cfg, model = state.cfg, state.model
+    cfg, model, grammar = state.cfg, state.model, state.task.module
     t0 = time.perf_counter()
     model.eval()
-    draw = task.sample_training_prompts if cfg.held_out else task.sample_prompts
+    draw = grammar.sample_training_prompts if cfg.held_out else grammar.sample_prompts
     prompts = draw(cfg.rollout_prompts, state.prompt_gen).repeat_interleave(cfg.group_size)
-    rollout = sample(model, prompts, task.MAX_RESPONSE_LEN, state.sample_gen)
+    rollout = sample(model, prompts, grammar.MAX_RESPONSE_LEN, state.sample_gen, grammar)
     t_gen = time.perf_counter() - t0
-    reward = task.verify(rollout.response)  # (B,)
+    reward = state.task.verify(rollout.response, rollout.prompts)  # (B,)
     mask = rollout.response_mask  # (B, T)
     token_level_rewards = torch.zeros(mask.shape)  # (B, T)
     token_level_rewards[torch.arange(mask.shape[0]), mask.sum(dim=1) - 1] = reward
@@ -295,7 +303,7 @@ def collect(state: _RunState, training_step: int) -> RolloutBatch:
                 old_log_prob = response_log_prob(model, rollout)  # (B, T)
             seq_len = rollout.prompts.input_ids.shape[1] + rollout.response.shape[1]
             routes = {layer: r.view(-1, seq_len, r.shape[-1]) for layer, r in flat_routes.items()}  # (B, L, k)
-    metrics = rollout_metrics(rollout, reward, advantages)
+    metrics = rollout_metrics(rollout, reward, advantages, state.task)
     metrics |= {"timing_s/gen": t_gen, "timing_s/old_log_prob": time.perf_counter() - t1}
     return RolloutBatch(training_step, rollout, reward, advantages, old_log_prob, routes, metrics)
 
@@ -337,7 +345,7 @@ def update(
     state.step += 1
     grad_log_prob, log_prob = log_prob.grad, log_prob.detach()
     diag = starvation_diagnostics(log_prob, grad_log_prob, old_log_prob, advantages, mb_mask)
-    counts, shares = regime.update_counts(log_prob, old_log_prob, advantages, mb_mask)
+    counts, shares = regime.update_counts(log_prob, old_log_prob, advantages, mb_mask, state.task.high_tail)
     if on_update is not None:
         event = UpdateEvent(
             batch.training_step, j, batch.old_log_prob, rows, log_prob, before, _checksum(model), mb, model
@@ -369,13 +377,15 @@ EVAL_SAMPLES = 16
 EVAL_SEED = 31_337
 
 
-def evaluate(model: torch.nn.Module) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, task: tasks.Task | None = None) -> dict[str, float]:
     """Score ``model`` on the held-out problems: ``mini/eval/score`` is the mean (reward + 1)/2 of
     ``task.N_HELD_OUT`` × :data:`EVAL_SAMPLES` sampled answers."""
     model.eval()
-    prompts = task.prompts_of(task.problem_digits(task.held_out_problems())).repeat_interleave(EVAL_SAMPLES)
-    rollout = sample(model, prompts, task.MAX_RESPONSE_LEN, torch.Generator().manual_seed(EVAL_SEED))
-    reward = task.verify(rollout.response)  # (B,)
+    task = task or tasks.get(tasks.DEFAULT)
+    grammar = task.module
+    prompts = grammar.prompts_of(grammar.problem_digits(grammar.held_out_problems())).repeat_interleave(EVAL_SAMPLES)
+    rollout = sample(model, prompts, grammar.MAX_RESPONSE_LEN, torch.Generator().manual_seed(EVAL_SEED), grammar)
+    reward = task.verify(rollout.response, rollout.prompts)  # (B,)
     return {
         "mini/eval/score": float(((reward + 1) / 2).mean()),
         "mini/eval/responses": float(reward.numel()),
@@ -412,6 +422,7 @@ def train(
         replay=RoutingReplay(model) if cfg.routing_replay else None,
         prompt_gen=torch.Generator().manual_seed(cfg.seed),
         sample_gen=torch.Generator().manual_seed(cfg.seed + 1_000_003),  # independent stream for sampling
+        task=tasks.get(cfg.task),
     )
     log_path = Path(log_dir) / PROJECT_NAME / f"{cfg.name}.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -424,7 +435,7 @@ def train(
                 for j in range(cfg.reuse):
                     data, shares = update(state, batch, j, on_update)
                     if cfg.held_out and state.step == cfg.optimizer_steps:
-                        data |= evaluate(state.model)
+                        data |= evaluate(state.model, state.task)
                     data["mini/wall_time_s"] = time.perf_counter() - start
                     record = {"step": state.step, "data": data}
                     log.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")

@@ -77,10 +77,12 @@ def test_config_hash_of_runs_made_before_held_out_existed_is_unchanged():
     from dataclasses import asdict
 
     cfg = RunConfig("respo", 32, 3, 192, 128, 8, 4e-4, warm_seed=1)
-    before = {k: v for k, v in asdict(cfg).items() if k not in ("seed", "warm_seed", "held_out")}
+    # the fields of the runs made before held_out (and task) existed
+    before = {k: v for k, v in asdict(cfg).items() if k not in ("seed", "warm_seed", "held_out", "task")}
     expected = hashlib.sha256(json.dumps(before, sort_keys=True, default=str).encode()).hexdigest()
     assert experiment.config_hash(cfg) == expected
     assert experiment.config_hash(RunConfig(**{**cfg.__dict__, "held_out": True})) != expected
+    assert experiment.config_hash(RunConfig(**{**cfg.__dict__, "task": "fork"})) != expected
     assert cfg.name == "respo_n32_lr4e-04_w1_seed3"
 
 

@@ -1,0 +1,327 @@
+"""The miniature's second task, ``fork``: know when to stop, and make no mistake on the way. Both of the paper's
+tails exist on it.
+
+Prompt: the chain task's ``<bos> d_1 d_2 d_3 =`` (``task.py``). Its digit sum sets how many segments the answer
+needs, :func:`segments_needed`: from 2 for the easiest prompts to :data:`N_SEGMENTS` for the hardest. A response is
+
+    ``:``  w_1 … w_S  f_1  w_(S+1) … w_2S  f_2  …                  (S = :data:`SEGMENT_STEPS` words per segment)
+
+where w_s is one of the :data:`WORDS_PER_STEP` words of step s (every step its own words, as in the chain task:
+free wording, no reward depends on which) or the step's **mistake** (:func:`mistake`: a word of the step that is
+wrong), and f_i, the **fork** after segment i, is ``+`` (go on) or ``<eos>`` (stop). After the last segment only
+``<eos>`` is allowed. The forks are the answer's few reward-relevant decisions: the verifier gives +1 iff the answer
+is grammatical, has no mistake and stops at the fork of the prompt's segment count k; −1 otherwise. So a hard prompt
+needs a long correct answer (k = 5: 156 tokens) and an easy one a short one (k = 2: 63 tokens).
+
+The response ends at ``<eos>`` or at its first token that breaks the grammar (:func:`breaks_grammar`), as in the
+chain task; a mistake does not break it. The warm start's data (:func:`warm_start_answer`) make the base model err in
+three ways:
+
+- it makes a **mistake** (:attr:`Ending.MISTAKE`) and goes on: the long wrong mode, as long as a correct answer
+  and like one in every other token, so that what the updates do to the correct answers they do to it;
+- it **goes on** (:attr:`Ending.OVERSHOT`): ``+`` at the fork where it should stop, and then on to the last segment;
+- it **slips** (:attr:`Ending.SLIPPED`): a word of another step, ending the response early, as in the chain task.
+
+docs/mini.md, "The second task", has the measurements.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+# The prompts are the chain task's, held-out problems included (``task.held_out_problems``).
+from experiments.mini.task import (
+    BOS,
+    DIGIT_BASE,
+    EOS,
+    EQ,
+    MAX_DIGIT,
+    N_DIGITS,
+    N_HELD_OUT,
+    N_PROBLEMS,
+    PAD,
+    PROMPT_LEN,
+    THINK,
+    Prompts,
+    digit,
+    held_out_problems,
+    problem_digits,
+    prompts_of,
+    sample_prompts,
+    sample_training_prompts,
+)
+
+__all__ = [
+    "BOS",
+    "EOS",
+    "EQ",
+    "N_DIGITS",
+    "N_HELD_OUT",
+    "N_PROBLEMS",
+    "PAD",
+    "PROMPT_LEN",
+    "Prompts",
+    "digit",
+    "held_out_problems",
+    "problem_digits",
+    "prompts_of",
+    "sample_prompts",
+    "sample_training_prompts",
+]
+
+NAME = "fork"
+GO = 5  # the fork token "+": go on to the next segment (the chain task's "#" id; this task has no "#")
+N_SEGMENTS = 5
+MIN_SEGMENTS = 2
+SEGMENT_STEPS = 30
+N_STEPS = N_SEGMENTS * SEGMENT_STEPS
+WORDS_PER_STEP = 4
+WORD_BASE = DIGIT_BASE + MAX_DIGIT + 1  # word v of step s (0-based) is WORD_BASE + s·STEP_TOKENS + v
+SEGMENT_LEN = SEGMENT_STEPS + 1  # its words and the fork after them
+MAX_RESPONSE_LEN = 1 + N_SEGMENTS * SEGMENT_LEN  # ":", then every segment
+# Digit-sum thresholds of the segment counts: a sum of at most 3 needs 2 segments, 4–5 three, 6–7 four, 8–12 five
+# (with three digits 0–4: 16 %, 26 %, 30 % and 28 % of the prompts).
+SEGMENT_SUMS = (3, 5, 7)
+TOKEN_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", EQ: "=", THINK: ":", GO: "+"}
+STEP_TOKENS = WORDS_PER_STEP + 1  # a step's words and its mistake
+VOCAB_SIZE = WORD_BASE + N_STEPS * STEP_TOKENS
+
+# The warm start's data: at the fork where an answer should stop it goes on with probability OVERSHOOT_SHARE (and
+# then to the last segment); at every step it makes the step's mistake with probability MISTAKE_HAZARD (and goes on)
+# and slips with probability SLIP_HAZARD (and ends). With these, a third of the base model's answers are right and
+# most wrong ones are long (docs/mini.md, "The second task").
+OVERSHOOT_SHARE = 0.2
+MISTAKE_HAZARD = 0.004
+SLIP_HAZARD = 0.002
+# The warm start's steps (model.WarmStart.steps): half the chain task's 3000, which the chain task's regime also
+# held with (docs/mini.md, "How the task got here"), so that a fresh warm start takes minutes, not a quarter hour.
+WARM_START_STEPS = 1500
+
+
+def word(step: int | torch.Tensor, v: int | torch.Tensor) -> int | torch.Tensor:
+    """Token id of word ``v`` of step ``step`` (both 0-based; v < WORDS_PER_STEP)."""
+    return WORD_BASE + step * STEP_TOKENS + v
+
+
+def mistake(step: int | torch.Tensor) -> int | torch.Tensor:
+    """Token id of the mistake of step ``step`` (0-based): grammatical there, and wrong."""
+    return WORD_BASE + step * STEP_TOKENS + WORDS_PER_STEP
+
+
+def is_mistake(tokens: torch.Tensor) -> torch.Tensor:
+    """Whether each token is some step's mistake (bool, same shape)."""
+    return (tokens >= WORD_BASE) & ((tokens - WORD_BASE) % STEP_TOKENS == WORDS_PER_STEP)
+
+
+def segments_needed(digits: torch.Tensor) -> torch.Tensor:
+    """(P,) segments the correct answer has, for prompts with these (P, N_DIGITS) digits."""
+    total = digits.sum(dim=1)  # (P,)
+    return MIN_SEGMENTS + sum((total > t).long() for t in SEGMENT_SUMS)
+
+
+def fork_position(segment: int | torch.Tensor) -> int | torch.Tensor:
+    """Response position (0-based) of the fork after segment ``segment`` (1-based)."""
+    return segment * SEGMENT_LEN
+
+
+def detokenize(ids: list[int]) -> str:
+    """Readable form: words as ``<step>.<letter>`` (1-based steps; the mistake is ``<step>.x``), e.g.
+    ``: 1.c 2.a … 30.d + 31.b``."""
+    out = []
+    for i in ids:
+        if i in TOKEN_NAMES:
+            out.append(TOKEN_NAMES[i])
+        elif i >= WORD_BASE:
+            step, v = divmod(i - WORD_BASE, STEP_TOKENS)
+            out.append(f"{step + 1}.{'abcdefgh'[v] if v < WORDS_PER_STEP else 'x'}")
+        else:
+            out.append(str(i - DIGIT_BASE))
+    return " ".join(out)
+
+
+def _allowed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(MAX_RESPONSE_LEN,) ×3: the words allowed at each position as a range [lo, hi) (empty at ``:`` and forks),
+    and whether the position is a fork."""
+    lo = torch.zeros(MAX_RESPONSE_LEN, dtype=torch.long)
+    hi = torch.zeros(MAX_RESPONSE_LEN, dtype=torch.long)
+    is_fork = torch.zeros(MAX_RESPONSE_LEN, dtype=torch.bool)
+    for s in range(N_STEPS):
+        position = 1 + s + s // SEGMENT_STEPS  # skips ":" and the forks before step s
+        lo[position], hi[position] = word(s, 0), word(s, STEP_TOKENS)  # its words and its mistake
+    for i in range(1, N_SEGMENTS + 1):
+        is_fork[fork_position(i)] = True
+    return lo, hi, is_fork
+
+
+_LO, _HI, _FORK = _allowed()
+_LAST_FORK = fork_position(N_SEGMENTS)
+
+
+def _in_grammar(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Whether ``tokens`` are allowed at response positions ``position`` (same shapes, positions < MAX_RESPONSE_LEN)."""
+    word_ok = (tokens >= _LO[position]) & (tokens < _HI[position])
+    fork_ok = _FORK[position] & ((tokens == EOS) | ((tokens == GO) & (position != _LAST_FORK)))
+    think_ok = (position == 0) & (tokens == THINK)
+    return word_ok | fork_ok | think_ok
+
+
+def breaks_grammar(tokens: torch.Tensor, position: int) -> torch.Tensor:
+    """Whether ``tokens``, at response position ``position`` (0-based), are outside the grammar (bool, same shape).
+
+    Position 0 must be ``:``; then each segment's positions a word of their step; each fork ``+`` or ``<eos>``, the
+    last fork ``<eos>`` only; nothing may follow. The sampler ends a response at such a token (``rollout.sample``)."""
+    if position >= MAX_RESPONSE_LEN:
+        return torch.ones_like(tokens, dtype=torch.bool)
+    return ~_in_grammar(tokens, torch.full_like(tokens, position))
+
+
+def response_lengths(response: torch.Tensor) -> torch.Tensor:
+    """(B,) tokens up to and including the first ``<eos>`` or the first token that breaks the grammar (the sampler
+    stopped there), or the full width when there is neither."""
+    width = response.shape[1]
+    position = torch.arange(width).clamp(max=MAX_RESPONSE_LEN - 1).expand_as(response)  # (B, T)
+    ends = ~_in_grammar(response, position) | (response == EOS)  # (B, T)
+    if width > MAX_RESPONSE_LEN:
+        ends[:, MAX_RESPONSE_LEN:] = True
+    return torch.where(ends.any(dim=1), ends.int().argmax(dim=1) + 1, width)  # (B,)
+
+
+def _last_tokens(response: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) ×2: each response's length and its last token."""
+    lengths = response_lengths(response)  # (B,)
+    return lengths, response[torch.arange(response.shape[0]), lengths - 1]
+
+
+def stopped_at(response: torch.Tensor) -> torch.Tensor:
+    """(B,) the segment after which the response stopped with ``<eos>`` at a fork, 0 if it did not stop so."""
+    lengths, last = _last_tokens(response)  # (B,), (B,)
+    at_fork = (last == EOS) & (lengths % SEGMENT_LEN == 1) & (lengths > 1)  # a fork sits at position i·SEGMENT_LEN
+    return torch.where(at_fork, (lengths - 1) // SEGMENT_LEN, 0)
+
+
+def verify(response: torch.Tensor, prompts: Prompts) -> torch.Tensor:
+    """Reward ±1 per response: +1 iff it is grammatical, has no mistake and stops at the fork after the prompt's
+    segment count.
+
+    Args:
+        response: (B, T) sampled tokens, T ≥ MAX_RESPONSE_LEN (anything after the end is ignored).
+        prompts: the B prompts (one row per response).
+
+    Returns:
+        (B,) float rewards in {−1, +1}.
+    """
+    if response.shape[1] < MAX_RESPONSE_LEN:
+        raise ValueError(
+            f"verify needs responses at least {MAX_RESPONSE_LEN} tokens wide, got width {response.shape[1]}"
+        )
+    if prompts.digits.shape[0] != response.shape[0]:
+        raise ValueError(f"verify got {response.shape[0]} responses but {prompts.digits.shape[0]} prompts")
+    right = stopped_at(response) == segments_needed(prompts.digits)  # (B,)
+    return torch.where(right & ~_has_mistake(response), 1.0, -1.0)
+
+
+def _has_mistake(response: torch.Tensor) -> torch.Tensor:
+    """(B,) whether a mistake was written before the response ended (where the grammar allows it: another step's
+    mistake is a slip)."""
+    width = response.shape[1]
+    inside = torch.arange(width).unsqueeze(0) < response_lengths(response).unsqueeze(1)  # (B, T)
+    position = torch.arange(width).clamp(max=MAX_RESPONSE_LEN - 1).expand_as(response)  # (B, T)
+    return (is_mistake(response) & inside & _in_grammar(response, position)).any(dim=1)
+
+
+def steps_written(response: torch.Tensor) -> torch.Tensor:
+    """(B,) words written before the response ended."""
+    lengths, last = _last_tokens(response)  # (B,), (B,)
+    written = lengths - 1 - (lengths - 1) // SEGMENT_LEN  # positions after ":" that are not forks
+    position = (lengths - 1).clamp(max=MAX_RESPONSE_LEN - 1)
+    last_was_word = (position % SEGMENT_LEN != 0) & (position > 0)
+    bad_word = last_was_word & ~_in_grammar(last, position)  # the slip itself is not a word of the chain
+    return (written - bad_word.long()).clamp(min=0, max=N_STEPS)
+
+
+class Ending(enum.IntEnum):
+    """How a response ended (the values :func:`ending` returns)."""
+
+    COMPLETE = 0
+    MISTAKE = 1  # a mistake was written (however the response ended afterwards)
+    OVERSHOT = 2  # no mistake, went on at the fork where it should have stopped (however it ended afterwards)
+    STOPPED_EARLY = 3  # ``<eos>`` at an earlier fork
+    SLIPPED = 4  # a word of another step before reaching its fork
+    OTHER = 5  # any other token out of place
+
+
+def ending(response: torch.Tensor, prompts: Prompts) -> torch.Tensor:
+    """(B,) how each response ended, an :class:`Ending` value per row."""
+    lengths, last = _last_tokens(response)  # (B,), (B,)
+    needed = segments_needed(prompts.digits)  # (B,)
+    stop = stopped_at(response)  # (B,)
+    rows = torch.arange(response.shape[0])
+    position = fork_position(needed)  # (B,)
+    went_on = (lengths > position) & (response[rows, position.clamp(max=response.shape[1] - 1)] == GO)
+    went_on &= needed < N_SEGMENTS  # "+" at the last fork breaks the grammar
+    slipped = last >= WORD_BASE
+    out = torch.where(slipped, Ending.SLIPPED, Ending.OTHER)
+    out = torch.where((stop > 0) & (stop < needed), Ending.STOPPED_EARLY, out)
+    out = torch.where(went_on, Ending.OVERSHOT, out)
+    out = torch.where(_has_mistake(response), Ending.MISTAKE, out)
+    return torch.where((stop == needed) & (out != Ending.MISTAKE), Ending.COMPLETE, out)
+
+
+# The endings the run logs as mini/<name>_frac (train.rollout_metrics).
+ENDING_METRICS = {
+    "mistake": Ending.MISTAKE,
+    "overshot": Ending.OVERSHOT,
+    "slipped": Ending.SLIPPED,
+    "stopped_early": Ending.STOPPED_EARLY,
+}
+
+
+def answer(needed: int, segments: int, generator: torch.Generator) -> list[int]:
+    """A grammatical answer without mistakes of ``segments`` segments that stops after them, each word uniform among
+    its step's; right iff ``segments == needed``."""
+    if not 1 <= segments <= N_SEGMENTS:
+        raise ValueError(f"an answer has 1 to {N_SEGMENTS} segments, got {segments}")
+    choice = torch.randint(0, WORDS_PER_STEP, (segments * SEGMENT_STEPS,), generator=generator).tolist()
+    out = [THINK]
+    for i in range(segments):
+        out += [int(word(s, choice[s])) for s in range(i * SEGMENT_STEPS, (i + 1) * SEGMENT_STEPS)]
+        out.append(EOS if i == segments - 1 else GO)
+    return out
+
+
+def warm_start_answer(needed: int, generator: torch.Generator) -> list[int]:
+    """One answer of the warm start's data for a prompt that needs ``needed`` segments: it goes on to the last
+    segment with probability :data:`OVERSHOOT_SHARE` (where there is one), else stops right; at each step it writes
+    the step's mistake with probability :data:`MISTAKE_HAZARD` and goes on, and it slips with probability
+    :data:`SLIP_HAZARD` (a uniform word of another step ends it there)."""
+    overshoot = needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < OVERSHOOT_SHARE
+    full = answer(needed, N_SEGMENTS if overshoot else needed, generator)
+    steps = (len(full) - 1) // SEGMENT_LEN * SEGMENT_STEPS
+    draw = torch.rand(steps, generator=generator)  # (steps,)
+    for s in (draw < MISTAKE_HAZARD).nonzero().squeeze(1).tolist():
+        full[1 + s + s // SEGMENT_STEPS] = int(mistake(s))
+    slips = (draw >= MISTAKE_HAZARD) & (draw < MISTAKE_HAZARD + SLIP_HAZARD)  # (steps,)
+    if not bool(slips.any()):
+        return full
+    step = int(slips.int().argmax())
+    other = int(torch.randint(0, N_STEPS - 1, (1,), generator=generator))
+    other += other >= step
+    position = 1 + step + step // SEGMENT_STEPS
+    return [*full[:position], int(word(other, int(torch.randint(0, WORDS_PER_STEP, (1,), generator=generator))))]
+
+
+def warm_start_answers(prompts: Prompts, generator: torch.Generator) -> list[list[int]]:
+    """The warm start's answers (:func:`warm_start_answer`) to a batch of prompts, one per row."""
+    return [warm_start_answer(int(k), generator) for k in segments_needed(prompts.digits)]
+
+
+def recipe() -> dict:
+    """What of the task determines its base model (part of ``model.recipe_key``)."""
+    return {
+        "name": NAME,
+        "segments": [MIN_SEGMENTS, N_SEGMENTS, SEGMENT_STEPS, WORDS_PER_STEP, *SEGMENT_SUMS],
+        "data": [OVERSHOOT_SHARE, MISTAKE_HAZARD, SLIP_HAZARD],
+        "vocab": VOCAB_SIZE,
+    }

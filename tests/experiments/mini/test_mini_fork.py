@@ -1,0 +1,158 @@
+"""The second task, ``fork`` (``experiments/mini/fork.py``): its grammar, verifier, endings and warm-start data on
+hand examples, the registry that selects it, and its run names. Seconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.mini import fork, model, tasks
+from experiments.mini.fork import EOS, GO, PAD, THINK, Ending, mistake, word
+from experiments.mini.train import RunConfig
+
+
+def _prompts(*digit_rows: tuple[int, int, int]) -> fork.Prompts:
+    return fork.prompts_of(torch.tensor(digit_rows))
+
+
+def _batch(*rows: list[int]) -> torch.Tensor:
+    out = torch.full((len(rows), fork.MAX_RESPONSE_LEN), PAD)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+
+def _answer(segments: int, v: int = 0) -> list[int]:
+    """``segments`` segments of word v of every step, stopping after the last."""
+    out = [THINK]
+    for i in range(segments):
+        out += [word(s, v) for s in range(i * fork.SEGMENT_STEPS, (i + 1) * fork.SEGMENT_STEPS)]
+        out.append(EOS if i == segments - 1 else GO)
+    return out
+
+
+def test_the_digit_sum_sets_the_segments_and_the_length():
+    digits = torch.tensor([[0, 0, 0], [1, 1, 1], [2, 1, 1], [1, 2, 2], [3, 2, 1], [3, 3, 1], [4, 4, 0], [4, 4, 4]])
+    assert fork.segments_needed(digits).tolist() == [2, 2, 3, 3, 4, 4, 5, 5]  # sums 0, 3, 4, 5, 6, 7, 8, 12
+    assert len(_answer(2)) == 63 and len(_answer(5)) == 156 == fork.MAX_RESPONSE_LEN
+    assert fork.fork_position(1) == 31 and _answer(2)[31] == GO and _answer(2)[62] == EOS
+
+
+def test_verifier_rewards_the_stop_at_the_prompts_fork_without_a_mistake_only():
+    easy, middle, hard = (0, 1, 2), (1, 2, 2), (4, 4, 4)  # 2, 3 and 5 segments
+    with_mistake = _answer(5)
+    with_mistake[100] = mistake(96)  # position 100: step 97 (fourth segment)
+    mistake_then_overshoot = _answer(3)
+    mistake_then_overshoot[3] = mistake(2)
+    rows = [_answer(2), _answer(3), _answer(5), _answer(3), _answer(2), _answer(5, v=3)]
+    response = _batch(*rows, with_mistake, mistake_then_overshoot)
+    prompts = _prompts(easy, middle, hard, easy, middle, easy, hard, easy)
+    assert fork.verify(response, prompts).tolist() == [1, 1, 1, -1, -1, -1, -1, -1]
+    assert fork.ending(response, prompts).tolist() == [
+        Ending.COMPLETE,
+        Ending.COMPLETE,
+        Ending.COMPLETE,
+        Ending.OVERSHOT,  # went on at its fork 2, stopped at 3
+        Ending.STOPPED_EARLY,
+        Ending.OVERSHOT,  # on to the last segment
+        Ending.MISTAKE,  # the long wrong mode: as long as the correct answer, one mistake in it
+        Ending.MISTAKE,  # a mistake counts before the overshoot
+    ]
+    assert fork.stopped_at(response).tolist() == [2, 3, 5, 3, 2, 5, 5, 3]
+    assert fork.response_lengths(response).tolist() == [63, 94, 156, 94, 63, 156, 156, 94]
+    assert fork.steps_written(response).tolist() == [60, 90, 150, 90, 60, 150, 150, 90]
+    assert fork.is_mistake(torch.tensor([mistake(0), mistake(149), word(0, 3), word(1, 0), GO])).tolist() == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+
+
+def test_a_slip_or_a_token_out_of_place_ends_the_response_there():
+    slip = _answer(3)
+    slip[40] = mistake(100)  # position 40 is step 39 (the second segment's ninth word): step 101's mistake
+    eos_mid_segment = _answer(3)
+    eos_mid_segment[10] = EOS
+    go_at_the_last_fork = _answer(5)
+    go_at_the_last_fork[155] = GO
+    digit_as_word = _answer(3)
+    digit_as_word[5] = int(fork.digit(2))
+    response = _batch(slip, eos_mid_segment, go_at_the_last_fork, digit_as_word)
+    prompts = _prompts((1, 2, 2), (1, 2, 2), (4, 4, 4), (1, 2, 2))
+    assert fork.response_lengths(response).tolist() == [41, 11, 156, 6]
+    assert fork.verify(response, prompts).tolist() == [-1, -1, -1, -1]
+    assert fork.ending(response, prompts).tolist() == [Ending.SLIPPED, Ending.OTHER, Ending.OTHER, Ending.OTHER]
+    assert fork.steps_written(response).tolist() == [38, 9, 150, 4]
+
+
+def test_breaks_grammar_position_by_position():
+    tokens = torch.tensor([THINK, GO, EOS, word(0, 3), word(1, 0), mistake(0)])
+    assert fork.breaks_grammar(tokens, 0).tolist() == [False, True, True, True, True, True]
+    # step 1's words and its mistake only
+    assert fork.breaks_grammar(tokens, 1).tolist() == [True, True, True, False, True, False]
+    assert fork.breaks_grammar(tokens, 31).tolist() == [True, False, False, True, True, True]  # a fork: + or <eos>
+    assert fork.breaks_grammar(tokens, 155).tolist() == [True, True, False, True, True, True]  # the last: <eos>
+    assert fork.breaks_grammar(tokens, 156).all()
+
+
+def test_verify_refuses_narrow_responses_and_mismatched_prompts():
+    with pytest.raises(ValueError, match="at least 156 tokens wide"):
+        fork.verify(torch.zeros(1, 10, dtype=torch.long), _prompts((0, 0, 0)))
+    with pytest.raises(ValueError, match="2 responses but 1 prompts"):
+        fork.verify(_batch(_answer(2), _answer(2)), _prompts((0, 0, 0)))
+    with pytest.raises(ValueError, match="1 to 5 segments"):
+        fork.answer(2, 6, torch.Generator())
+
+
+def test_warm_start_data_err_at_their_rates():
+    """The data's three errors at the recipe's rates: going on at the prompt's fork (never possible at 5 segments),
+    and at each step a mistake (the answer goes on) or a slip (it ends); every answer is grammatical up to its end."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = fork.sample_prompts(3000, generator)
+    response = _batch(*fork.warm_start_answers(prompts, generator))
+    needed = fork.segments_needed(prompts.digits)
+    lengths = fork.response_lengths(response)
+    ending = fork.ending(response, prompts)
+    assert set(ending.unique().tolist()) <= {Ending.COMPLETE, Ending.MISTAKE, Ending.OVERSHOT, Ending.SLIPPED}
+    # The fork where the answer should stop, among the answers that reach it.
+    rows = torch.arange(len(needed))
+    reached = (needed < fork.N_SEGMENTS) & (lengths > fork.fork_position(needed))
+    went_on = response[rows, fork.fork_position(needed).clamp(max=fork.MAX_RESPONSE_LEN - 1)] == GO
+    assert abs(float(went_on[reached].float().mean()) - fork.OVERSHOOT_SHARE) < 0.03
+    assert not bool(went_on[needed == fork.N_SEGMENTS].any())
+    # Per step: mistakes among the words written, slips among the steps reached.
+    inside = torch.arange(fork.MAX_RESPONSE_LEN).unsqueeze(0) < lengths.unsqueeze(1)
+    mistakes = int((fork.is_mistake(response) & inside).sum())
+    slips = int((ending == Ending.SLIPPED).sum()) + int(
+        ((ending == Ending.MISTAKE) & (response[rows, lengths - 1] != EOS)).sum()
+    )
+    steps = int(fork.steps_written(response).sum()) + slips
+    assert abs(mistakes / steps - fork.MISTAKE_HAZARD) < 0.0008, mistakes / steps
+    assert abs(slips / steps - fork.SLIP_HAZARD) < 0.0006, slips / steps
+    # Answers that go on run to the last segment; the ones with a mistake are as long as the correct ones.
+    assert bool((lengths[(ending == Ending.OVERSHOT) & (fork.stopped_at(response) > 0)] == 156).all())
+    correct = fork.verify(response, prompts) > 0
+    assert abs(float(lengths[ending == Ending.MISTAKE].float().mean() / lengths[correct].float().mean()) - 1) < 0.15
+
+
+def test_registry_selects_the_task_and_names_its_runs():
+    assert tasks.NAMES == ("chain", "fork") and tasks.DEFAULT == "chain"
+    assert tasks.get("fork").module is fork and tasks.get("fork").high_tail
+    assert not tasks.get("chain").high_tail
+    with pytest.raises(ValueError, match="unknown task 'forks'; the tasks are chain, fork"):
+        tasks.get("forks")
+    chain_run = RunConfig("respo", 32, 0, 192, 128, lr=4e-4)
+    assert chain_run.name == "respo_n32_lr4e-04_w0_seed0"  # the chain task's names are unchanged
+    assert RunConfig("respo", 32, 0, 192, 128, lr=4e-4, task="fork").name == "fork_respo_n32_lr4e-04_w0_seed0"
+
+
+def test_the_tasks_have_their_own_base_models():
+    """The fork task's recipe key differs from the chain task's; the chain task's key is its shipped models'."""
+    spec, warm = model.ModelSpec(), model.WarmStart()
+    assert model.recipe_key(spec, warm) == "6c5df195f4c7753f"
+    assert model.recipe_key(spec, warm, "fork") != model.recipe_key(spec, warm)
+    net = model.build_model(spec, 0, "fork")
+    assert net.config.vocab_size == fork.VOCAB_SIZE
+    assert net.config.max_position_embeddings == fork.PROMPT_LEN + fork.MAX_RESPONSE_LEN
