@@ -16,12 +16,14 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
 - **guards** on every step's metrics (:class:`GuardConfig`, the ``run_guard`` node of the presets): samples whose
   reward failed and were replaced by padding (``respo_verl/failed_samples``, ``.../failed_share``) above a share, and
   a collapsed policy (the clamp share of log W above a bound, or entropy near 0 with no group that carries a signal
-  for K steps in a row) stop the run with the metric and the step named.
+  for K steps in a row) stop the run with the metric and the step named; so does an agent-loop worker that dies
+  while a step waits for its samples (verl's replay buffer would wait for them for ever).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,10 @@ ENTROPY_KEY = "actor/entropy"
 ADVANTAGE_KEYS = ("critic/advantages/max", "critic/advantages/min")
 # The kernel losses' share of sequences whose log W sits at the clamp, under actor/<loss>/.
 CLAMP_SUFFIX = "/clamp_frac"
+# While a step waits for its samples, how often the agent-loop workers are checked for life (one Ray call each).
+WORKER_CHECK_INTERVAL_S = 10.0
+# A live worker answers its readiness call at once unless its event loop is blocked; longer counts as alive.
+WORKER_READY_TIMEOUT_S = 5.0
 
 
 class RunStopped(RuntimeError):
@@ -132,6 +138,26 @@ def failed_sample_metrics(tags: list[dict], expected: int) -> dict[str, float]:
     return {FAILED_SAMPLES_KEY: float(failed), FAILED_SHARE_KEY: failed / expected if expected else 0.0}
 
 
+def dead_agent_loop_workers(workers: list, step: int) -> None:
+    """Raise :class:`RunStopped` when an agent-loop worker actor has died (Ray's ``ActorDiedError`` for its readiness
+    call). A worker busy past :data:`WORKER_READY_TIMEOUT_S`, or unreachable for a moment (``ActorUnavailableError``,
+    which Ray raises for a network blip too), counts as alive: the next check asks again."""
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+
+    for index, worker in enumerate(workers):
+        try:
+            ray.get(worker.__ray_ready__.remote(), timeout=WORKER_READY_TIMEOUT_S)
+        except (GetTimeoutError, ActorUnavailableError):
+            continue
+        except ActorDiedError as exc:
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RunStopped(
+                f"step {step}: agent-loop worker {index} of {len(workers)} has died while the step waited for its "
+                f"samples ({type(exc).__name__}: {cause}); its prompts would never finish"
+            ) from None
+
+
 def _trainer_class() -> type:
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
@@ -169,6 +195,7 @@ def _trainer_class() -> type:
 
         def on_train_begin(self):
             super().on_train_begin()
+            self._watch_agent_loop_workers()
             log = self.logger.log  # verl's Tracking, built by fit() before this hook
 
             def log_then_mark(*args, **kwargs):
@@ -176,6 +203,26 @@ def _trainer_class() -> type:
                 self._mark_saved_step(kwargs.get("step", args[1] if len(args) > 1 else None))
 
             self.logger.log = log_then_mark
+
+        def _watch_agent_loop_workers(self) -> None:
+            """While the replay buffer waits for a step's samples, check every :data:`WORKER_CHECK_INTERVAL_S`
+            that the agent-loop workers are alive (verl's poll has no timeout: the prompts a dead worker took stay
+            "running" for ever); a dead one stops the run, naming it and Ray's cause."""
+            buffer = getattr(self, "replay_buffer", None)
+            workers = getattr(getattr(self, "agent_loop_manager", None), "agent_loop_workers", None)
+            if buffer is None or not workers or not hasattr(buffer, "_wait_for_next_poll"):
+                return
+            wait = buffer._wait_for_next_poll
+            next_check = [time.monotonic() + WORKER_CHECK_INTERVAL_S]
+
+            def wait_and_check(*args, **kwargs):
+                result = wait(*args, **kwargs)
+                if time.monotonic() >= next_check[0]:
+                    dead_agent_loop_workers(workers, self.global_steps)
+                    next_check[0] = time.monotonic() + WORKER_CHECK_INTERVAL_S
+                return result
+
+            buffer._wait_for_next_poll = wait_and_check
 
         def _save_checkpoint(self):
             super()._save_checkpoint()

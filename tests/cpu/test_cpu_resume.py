@@ -27,11 +27,13 @@ from pathlib import Path
 import pytest
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
+from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
 from respo_verl.tools.runs.logs import read_log
 from respo_verl.verl.checkpoint import MARKER, TRACKER
 from respo_verl.verl.reaper import REAP_BOUND_S
 
 pytestmark = pytest.mark.slow
+MODULES = Path(__file__).resolve().parent / "modules"  # test-only modules loaded in every Ray process of a run
 
 
 @pytest.fixture(scope="module")
@@ -311,3 +313,23 @@ def test_a_collapsed_policy_stops_the_run(kit, tmp_path):
     assert rc != 0, out[-4000:]
     assert "run_guard." in out and "RunStopped" in out, out[-4000:]
     assert max(_logged_steps(tmp_path / "log.jsonl") or [0]) < 6
+
+
+def test_an_agent_loop_worker_that_dies_mid_step_stops_the_run(kit, tmp_path):
+    """The agent-loop worker's process dies in the middle of step 1's rollout (tests/cpu/modules/dying_agent_loop.py):
+    its prompts stay "running" and verl's replay buffer, which polls for them with no timeout, would wait for ever;
+    the trainer's liveness check of the workers stops the run, naming the dead worker and Ray's cause."""
+    modules = f"{PLUGIN_MODULE},{CPU_MODULE},dying_agent_loop"
+    command = _command(
+        tmp_path / "ckpt",
+        2,
+        2,
+        "trainer.save_freq=-1",
+        f"ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='{modules}'",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH={MODULES}",
+    )
+    rc, out = _launch(tmp_path, command, timeout=420)
+    assert rc != 0, out[-4000:]
+    stopped = "RunStopped: step 1: agent-loop worker 0 of 1 has died while the step waited for its samples"
+    assert stopped in out, out[-4000:]
+    assert "ActorDiedError" in out and _logged_steps(tmp_path / "log.jsonl") == []
