@@ -4,8 +4,10 @@ Real subprocesses of our entry point with verl's V1 trainer (the respo-verl trai
 gloo and the hf_cpu rollout server; nothing is mocked. Against one uninterrupted run of the command (shared by the
 module): a run walked through a pre-emption notice (SIGTERM to the driver), its relaunch, and a relaunch of another
 configuration into the same folder; a run whose driver is killed with SIGKILL after its periodic checkpoint of step
-2, whose Ray processes must then be gone within the reaper's bound, and its relaunch. One more stops a collapsed
-policy. About nine minutes together on a 2-core machine.
+2, whose Ray processes must then be gone within the reaper's bound, and its relaunch. Two more stop a run: a
+collapsed policy, and an agent-loop worker that dies in the middle of a step. 13 minutes together on a 2-core
+machine shared with other jobs (load average 4-6: 582 s for the uninterrupted, SIGTERM and SIGKILL runs, 185 s for
+the other two).
 
 The runs use verl's ``rollout.full_determinism``: the CPU rollout server then samples each request from (seed, step,
 request id), so two fresh runs log the same metrics and the resumed run can be compared with the uninterrupted one
