@@ -184,6 +184,19 @@ def watch_driver(session_dir: str | None, driver_pid: int | None = None) -> subp
     )
 
 
+def _append_to_stderr_file() -> None:
+    """A stderr that is a file the driver wrote with ``>`` (no O_APPEND) has the offset the driver left; whatever its
+    caller appended after the driver's exit would be overwritten by the line below: write at the end instead."""
+    import fcntl
+    import stat
+
+    try:
+        if stat.S_ISREG(os.fstat(2).st_mode):
+            fcntl.fcntl(2, fcntl.F_SETFL, fcntl.fcntl(2, fcntl.F_GETFL) | os.O_APPEND)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m respo_verl.verl.reaper", description=__doc__.split("\n")[0])
     parser.add_argument("driver_pid", type=int)
@@ -196,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stopped, killed = watch(args.driver_pid, args.driver_start, args.session_dir)
     if stopped:
+        _append_to_stderr_file()
+        session = f" and its Ray session {args.session_dir}" if args.session_dir else ""
         print(
-            f"respo-verl reaper: driver {args.driver_pid} has ended; stopped {stopped} process(es) of its Ray "
-            f"session {args.session_dir} ({killed} by SIGKILL)",
+            f"respo-verl reaper: driver {args.driver_pid} has ended; stopped {stopped} process(es) of its tree"
+            f"{session} ({killed} by SIGKILL)",
             file=sys.stderr,
             flush=True,
         )
