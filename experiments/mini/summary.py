@@ -266,8 +266,10 @@ def grid_markdown(grid: protocol.Grid, scores: dict[tuple[str, int], dict[str, d
         return f"{statistics.fmean(xs):.2f} ± {sd:.2f}"
 
     held_out = any(cell.get("eval") for cell in scores.values())
+    seeds = sorted({s for cell in scores.values() for s in cell["late"]})
     lines = [
-        f"{grid.about}; lr {protocol.ABLATION_LR:g}, {grid.optimizer_steps} updates per run, late = the last "
+        f"{grid.about}; RL seeds run: {', '.join(map(str, seeds))}; lr {protocol.ABLATION_LR:g}, "
+        f"{grid.optimizer_steps} updates per run, late = the last "
         "128 updates; starved mass: the method-independent share of gradient mass on positives with log W < −1, "
         "mean over the run's updates.",
         "",
@@ -286,9 +288,8 @@ def grid_markdown(grid: protocol.Grid, scores: dict[tuple[str, int], dict[str, d
         for algorithm, n in keys:
             if algorithm == baseline or (baseline, n) not in scores or measure not in scores[(algorithm, n)]:
                 continue
-            label = f"{algorithms.display_name(algorithm)} − VESPO, N = {n}" + (
-                ", held-out" if measure == "eval" else ""
-            )
+            name = algorithms.display_name(algorithm) if algorithm in algorithms.ALGORITHMS else algorithm
+            label = f"{name} − VESPO, N = {n}" + (", held-out" if measure == "eval" else "")
             lines.append(paired_row(label, scores[(algorithm, n)][measure], scores[(baseline, n)][measure]))
     ns = sorted({n for _, n in scores})
     if len(ns) > 1 and all(("respo", n) in scores and (baseline, n) in scores for n in (ns[0], ns[-1])):

@@ -144,13 +144,16 @@ def test_grid_markdown_on_hand_values():
     scores = {
         ("respo", 8): {"late": {0: 0.70, 1: 0.72}, "starved": {0: 0.30, 1: 0.20}},
         ("vespo", 8): {"late": {0: 0.69, 1: 0.72}, "starved": {0: 0.10, 1: 0.10}},
+        ("respo_pos", 8): {"late": {0: 0.70, 1: 0.71}, "starved": {0: 0.20, 1: 0.20}},
         ("respo", 32): {"late": {0: 0.74, 1: 0.75}, "starved": {0: 0.40, 1: 0.30}},
         ("vespo", 32): {"late": {0: 0.71, 1: 0.73}, "starved": {0: 0.20, 1: 0.20}},
     }
     text = "\n".join(summary.grid_markdown(protocol.GRIDS["trend"], scores))
     assert "| ReSPO | 8 | 2 | 71.00 ± 1.41 | 25.00 ± 7.07 |" in text
     assert "| VESPO | 32 | 2 | 72.00 ± 1.41 | 20.00 ± 0.00 |" in text
-    assert "held-out" not in text
+    assert "held-out" not in text and "RL seeds run: 0, 1;" in text
+    assert "| ReSPO+ / VESPO− | 8 | 2 | 70.50 ± 0.71 | 20.00 ± 0.00 |" in text
+    assert "| respo_pos − VESPO, N = 8 | 2 | +0.00 |" in text
     # ReSPO − VESPO at N = 8: +1, 0 pp; at N = 32: +3, +2 pp; the change: +2, +2 pp.
     assert "| ReSPO − VESPO, N = 8 | 2 | +0.50 |" in text
     assert "| ReSPO − VESPO, N = 32 | 2 | +2.50 |" in text
