@@ -7,20 +7,24 @@ needs, :func:`segments_needed`: from 2 for the easiest prompts to :data:`N_SEGME
     ``:``  w_1 … w_S  f_1  w_(S+1) … w_2S  f_2  …                  (S = :data:`SEGMENT_STEPS` words per segment)
 
 where w_s is one of the :data:`WORDS_PER_STEP` words of step s (every step its own words, as in the chain task:
-free wording, no reward depends on which) or the step's **mistake** (:func:`mistake`: a word of the step that is
-wrong), and f_i, the **fork** after segment i, is ``+`` (go on) or ``<eos>`` (stop). After the last segment only
-``<eos>`` is allowed. The forks are the answer's few reward-relevant decisions: the verifier gives +1 iff the answer
-is grammatical, has no mistake and stops at the fork of the prompt's segment count k; −1 otherwise. So a hard prompt
-needs a long correct answer (k = 5: 156 tokens) and an easy one a short one (k = 2: 63 tokens).
+free wording, no reward depends on which) or a **mistake**: a word of another step of the same segment, which the
+grammar allows and the verifier does not (:func:`is_mistake`); and f_i, the **fork** after segment i, is ``+`` (go
+on) or ``<eos>`` (stop). After the last segment only ``<eos>`` is allowed. The forks are the answer's few
+reward-relevant decisions: the verifier gives +1 iff the answer is grammatical, has no mistake and stops at the fork
+of the prompt's segment count k; −1 otherwise. So a hard prompt needs a long correct answer (k = 5: 156 tokens) and
+an easy one a short one (k = 2: 63 tokens).
 
 The response ends at ``<eos>`` or at its first token that breaks the grammar (:func:`breaks_grammar`), as in the
 chain task; a mistake does not break it. The warm start's data (:func:`warm_start_answer`) make the base model err in
 three ways:
 
 - it makes a **mistake** (:attr:`Ending.MISTAKE`) and goes on: the long wrong mode, as long as a correct answer
-  and like one in every other token, so that what the updates do to the correct answers they do to it;
+  and like one in every other token, so that what the updates do to the correct answers they do to it. Its
+  mistakes are spread over thousands of (position, word) pairs, each sampled rarely, so that RL unlearns them
+  slowly, as the chain task's slips;
 - it **goes on** (:attr:`Ending.OVERSHOT`): ``+`` at the fork where it should stop, and then on to the last segment;
-- it **slips** (:attr:`Ending.SLIPPED`): a word of another step, ending the response early, as in the chain task.
+- it **slips** (:attr:`Ending.SLIPPED`): a word of a step of another segment, ending the response early, as in the
+  chain task.
 
 docs/mini.md, "The second task", has the measurements.
 """
@@ -78,21 +82,21 @@ MIN_SEGMENTS = 2
 SEGMENT_STEPS = 30
 N_STEPS = N_SEGMENTS * SEGMENT_STEPS
 WORDS_PER_STEP = 4
-WORD_BASE = DIGIT_BASE + MAX_DIGIT + 1  # word v of step s (0-based) is WORD_BASE + s·STEP_TOKENS + v
+WORD_BASE = DIGIT_BASE + MAX_DIGIT + 1  # word v of step s (0-based) is WORD_BASE + s·WORDS_PER_STEP + v
 SEGMENT_LEN = SEGMENT_STEPS + 1  # its words and the fork after them
 MAX_RESPONSE_LEN = 1 + N_SEGMENTS * SEGMENT_LEN  # ":", then every segment
 # Digit-sum thresholds of the segment counts: a sum of at most 3 needs 2 segments, 4–5 three, 6–7 four, 8–12 five
 # (with three digits 0–4: 16 %, 26 %, 30 % and 28 % of the prompts).
 SEGMENT_SUMS = (3, 5, 7)
 TOKEN_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", EQ: "=", THINK: ":", GO: "+"}
-STEP_TOKENS = WORDS_PER_STEP + 1  # a step's words and its mistake
-VOCAB_SIZE = WORD_BASE + N_STEPS * STEP_TOKENS
+VOCAB_SIZE = WORD_BASE + N_STEPS * WORDS_PER_STEP
 
 # The warm start's data: at the fork where an answer should stop it goes on with probability OVERSHOOT_SHARE (and
-# then to the last segment); at every step it makes the step's mistake with probability MISTAKE_HAZARD (and goes on)
-# and slips with probability SLIP_HAZARD (and ends). With these, a third of the base model's answers are right and
+# then to the last segment); at every step it makes a mistake with probability MISTAKE_HAZARD (a uniform word of
+# another step of the segment, and goes on) and slips with probability SLIP_HAZARD (a word of a step of another
+# segment, and ends). With these, a third of the base model's answers are right and
 # most wrong ones are long (docs/mini.md, "The second task").
-OVERSHOOT_SHARE = 0.2
+OVERSHOOT_SHARE = 0.1
 MISTAKE_HAZARD = 0.004
 SLIP_HAZARD = 0.002
 # The warm start's steps (model.WarmStart.steps): half the chain task's 3000, which the chain task's regime also
@@ -102,17 +106,7 @@ WARM_START_STEPS = 1500
 
 def word(step: int | torch.Tensor, v: int | torch.Tensor) -> int | torch.Tensor:
     """Token id of word ``v`` of step ``step`` (both 0-based; v < WORDS_PER_STEP)."""
-    return WORD_BASE + step * STEP_TOKENS + v
-
-
-def mistake(step: int | torch.Tensor) -> int | torch.Tensor:
-    """Token id of the mistake of step ``step`` (0-based): grammatical there, and wrong."""
-    return WORD_BASE + step * STEP_TOKENS + WORDS_PER_STEP
-
-
-def is_mistake(tokens: torch.Tensor) -> torch.Tensor:
-    """Whether each token is some step's mistake (bool, same shape)."""
-    return (tokens >= WORD_BASE) & ((tokens - WORD_BASE) % STEP_TOKENS == WORDS_PER_STEP)
+    return WORD_BASE + step * WORDS_PER_STEP + v
 
 
 def segments_needed(digits: torch.Tensor) -> torch.Tensor:
@@ -127,35 +121,36 @@ def fork_position(segment: int | torch.Tensor) -> int | torch.Tensor:
 
 
 def detokenize(ids: list[int]) -> str:
-    """Readable form: words as ``<step>.<letter>`` (1-based steps; the mistake is ``<step>.x``), e.g.
-    ``: 1.c 2.a … 30.d + 31.b``."""
+    """Readable form: words as ``<step>.<letter>`` (1-based steps), e.g. ``: 1.c 2.a … 30.d + 31.b``."""
     out = []
     for i in ids:
         if i in TOKEN_NAMES:
             out.append(TOKEN_NAMES[i])
         elif i >= WORD_BASE:
-            step, v = divmod(i - WORD_BASE, STEP_TOKENS)
-            out.append(f"{step + 1}.{'abcdefgh'[v] if v < WORDS_PER_STEP else 'x'}")
+            step, v = divmod(i - WORD_BASE, WORDS_PER_STEP)
+            out.append(f"{step + 1}.{'abcdefgh'[v]}")
         else:
             out.append(str(i - DIGIT_BASE))
     return " ".join(out)
 
 
-def _allowed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(MAX_RESPONSE_LEN,) ×3: the words allowed at each position as a range [lo, hi) (empty at ``:`` and forks),
+def _allowed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(MAX_RESPONSE_LEN,) ×5: the words the grammar allows at each position as a range [lo, hi) (the words of every
+    step of its segment; empty at ``:`` and the forks), the position's own step's words as a range [own_lo, own_hi),
     and whether the position is a fork."""
-    lo = torch.zeros(MAX_RESPONSE_LEN, dtype=torch.long)
-    hi = torch.zeros(MAX_RESPONSE_LEN, dtype=torch.long)
+    lo, hi, own_lo, own_hi = (torch.zeros(MAX_RESPONSE_LEN, dtype=torch.long) for _ in range(4))
     is_fork = torch.zeros(MAX_RESPONSE_LEN, dtype=torch.bool)
     for s in range(N_STEPS):
         position = 1 + s + s // SEGMENT_STEPS  # skips ":" and the forks before step s
-        lo[position], hi[position] = word(s, 0), word(s, STEP_TOKENS)  # its words and its mistake
+        first = s - s % SEGMENT_STEPS  # the segment's first step
+        lo[position], hi[position] = word(first, 0), word(first + SEGMENT_STEPS, 0)
+        own_lo[position], own_hi[position] = word(s, 0), word(s + 1, 0)
     for i in range(1, N_SEGMENTS + 1):
         is_fork[fork_position(i)] = True
-    return lo, hi, is_fork
+    return lo, hi, own_lo, own_hi, is_fork
 
 
-_LO, _HI, _FORK = _allowed()
+_LO, _HI, _OWN_LO, _OWN_HI, _FORK = _allowed()
 _LAST_FORK = fork_position(N_SEGMENTS)
 
 
@@ -165,6 +160,14 @@ def _in_grammar(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     fork_ok = _FORK[position] & ((tokens == EOS) | ((tokens == GO) & (position != _LAST_FORK)))
     think_ok = (position == 0) & (tokens == THINK)
     return word_ok | fork_ok | think_ok
+
+
+def is_mistake(tokens: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+    """Whether ``tokens`` at response positions ``position`` are mistakes: words of another step of the position's
+    segment (bool, same shape as ``tokens``)."""
+    position = torch.as_tensor(position).clamp(max=MAX_RESPONSE_LEN - 1).expand_as(tokens)
+    in_segment = (tokens >= _LO[position]) & (tokens < _HI[position])
+    return in_segment & ~((tokens >= _OWN_LO[position]) & (tokens < _OWN_HI[position]))
 
 
 def breaks_grammar(tokens: torch.Tensor, position: int) -> torch.Tensor:
@@ -223,12 +226,10 @@ def verify(response: torch.Tensor, prompts: Prompts) -> torch.Tensor:
 
 
 def _has_mistake(response: torch.Tensor) -> torch.Tensor:
-    """(B,) whether a mistake was written before the response ended (where the grammar allows it: another step's
-    mistake is a slip)."""
+    """(B,) whether a mistake was written before the response ended."""
     width = response.shape[1]
     inside = torch.arange(width).unsqueeze(0) < response_lengths(response).unsqueeze(1)  # (B, T)
-    position = torch.arange(width).clamp(max=MAX_RESPONSE_LEN - 1).expand_as(response)  # (B, T)
-    return (is_mistake(response) & inside & _in_grammar(response, position)).any(dim=1)
+    return (is_mistake(response, torch.arange(width)) & inside).any(dim=1)
 
 
 def steps_written(response: torch.Tensor) -> torch.Tensor:
@@ -293,21 +294,25 @@ def answer(needed: int, segments: int, generator: torch.Generator) -> list[int]:
 
 def warm_start_answer(needed: int, generator: torch.Generator) -> list[int]:
     """One answer of the warm start's data for a prompt that needs ``needed`` segments: it goes on to the last
-    segment with probability :data:`OVERSHOOT_SHARE` (where there is one), else stops right; at each step it writes
-    the step's mistake with probability :data:`MISTAKE_HAZARD` and goes on, and it slips with probability
-    :data:`SLIP_HAZARD` (a uniform word of another step ends it there)."""
+    segment with probability :data:`OVERSHOOT_SHARE` (where there is one), else stops right; at each step it makes a
+    mistake with probability :data:`MISTAKE_HAZARD` (a uniform word of another step of the segment) and goes on,
+    and it slips with probability :data:`SLIP_HAZARD` (a uniform word of a step of another segment ends it)."""
     overshoot = needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < OVERSHOOT_SHARE
     full = answer(needed, N_SEGMENTS if overshoot else needed, generator)
     steps = (len(full) - 1) // SEGMENT_LEN * SEGMENT_STEPS
     draw = torch.rand(steps, generator=generator)  # (steps,)
     for s in (draw < MISTAKE_HAZARD).nonzero().squeeze(1).tolist():
-        full[1 + s + s // SEGMENT_STEPS] = int(mistake(s))
+        other = int(torch.randint(0, SEGMENT_STEPS - 1, (1,), generator=generator))
+        other += other >= s % SEGMENT_STEPS
+        v = int(torch.randint(0, WORDS_PER_STEP, (1,), generator=generator))
+        full[1 + s + s // SEGMENT_STEPS] = int(word(s - s % SEGMENT_STEPS + other, v))
     slips = (draw >= MISTAKE_HAZARD) & (draw < MISTAKE_HAZARD + SLIP_HAZARD)  # (steps,)
     if not bool(slips.any()):
         return full
     step = int(slips.int().argmax())
-    other = int(torch.randint(0, N_STEPS - 1, (1,), generator=generator))
-    other += other >= step
+    first = step - step % SEGMENT_STEPS  # the slip's step lies outside the segment [first, first + SEGMENT_STEPS)
+    other = int(torch.randint(0, N_STEPS - SEGMENT_STEPS, (1,), generator=generator))
+    other += SEGMENT_STEPS * (other >= first)
     position = 1 + step + step // SEGMENT_STEPS
     return [*full[:position], int(word(other, int(torch.randint(0, WORDS_PER_STEP, (1,), generator=generator))))]
 

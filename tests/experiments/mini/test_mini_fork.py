@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from experiments.mini import fork, model, tasks
-from experiments.mini.fork import EOS, GO, PAD, THINK, Ending, mistake, word
+from experiments.mini.fork import EOS, GO, PAD, THINK, Ending, word
 from experiments.mini.train import RunConfig
 
 
@@ -41,9 +41,9 @@ def test_the_digit_sum_sets_the_segments_and_the_length():
 def test_verifier_rewards_the_stop_at_the_prompts_fork_without_a_mistake_only():
     easy, middle, hard = (0, 1, 2), (1, 2, 2), (4, 4, 4)  # 2, 3 and 5 segments
     with_mistake = _answer(5)
-    with_mistake[100] = mistake(96)  # position 100: step 97 (fourth segment)
+    with_mistake[100] = word(91, 2)  # position 100 is step 97 (the fourth segment's 7th): its 1st step's word
     mistake_then_overshoot = _answer(3)
-    mistake_then_overshoot[3] = mistake(2)
+    mistake_then_overshoot[3] = word(29, 0)  # step 3's place, step 30's word: the same segment
     rows = [_answer(2), _answer(3), _answer(5), _answer(3), _answer(2), _answer(5, v=3)]
     response = _batch(*rows, with_mistake, mistake_then_overshoot)
     prompts = _prompts(easy, middle, hard, easy, middle, easy, hard, easy)
@@ -61,18 +61,14 @@ def test_verifier_rewards_the_stop_at_the_prompts_fork_without_a_mistake_only():
     assert fork.stopped_at(response).tolist() == [2, 3, 5, 3, 2, 5, 5, 3]
     assert fork.response_lengths(response).tolist() == [63, 94, 156, 94, 63, 156, 156, 94]
     assert fork.steps_written(response).tolist() == [60, 90, 150, 90, 60, 150, 150, 90]
-    assert fork.is_mistake(torch.tensor([mistake(0), mistake(149), word(0, 3), word(1, 0), GO])).tolist() == [
-        True,
-        True,
-        False,
-        False,
-        False,
-    ]
+    # At step 1's place (position 1): words of steps 2–30 are mistakes; step 1's and other segments' are not.
+    tokens = torch.tensor([word(1, 0), word(29, 3), word(0, 3), word(30, 0), GO])
+    assert fork.is_mistake(tokens, 1).tolist() == [True, True, False, False, False]
 
 
 def test_a_slip_or_a_token_out_of_place_ends_the_response_there():
     slip = _answer(3)
-    slip[40] = mistake(100)  # position 40 is step 39 (the second segment's ninth word): step 101's mistake
+    slip[40] = word(100, 2)  # position 40 is step 39 (the second segment's ninth word): a word of step 101
     eos_mid_segment = _answer(3)
     eos_mid_segment[10] = EOS
     go_at_the_last_fork = _answer(5)
@@ -88,11 +84,12 @@ def test_a_slip_or_a_token_out_of_place_ends_the_response_there():
 
 
 def test_breaks_grammar_position_by_position():
-    tokens = torch.tensor([THINK, GO, EOS, word(0, 3), word(1, 0), mistake(0)])
+    tokens = torch.tensor([THINK, GO, EOS, word(0, 3), word(29, 0), word(30, 1)])
     assert fork.breaks_grammar(tokens, 0).tolist() == [False, True, True, True, True, True]
-    # step 1's words and its mistake only
-    assert fork.breaks_grammar(tokens, 1).tolist() == [True, True, True, False, True, False]
+    # the words of the first segment's steps (step 1's right, the others mistakes), not the second's
+    assert fork.breaks_grammar(tokens, 1).tolist() == [True, True, True, False, False, True]
     assert fork.breaks_grammar(tokens, 31).tolist() == [True, False, False, True, True, True]  # a fork: + or <eos>
+    assert fork.breaks_grammar(tokens, 32).tolist() == [True, True, True, True, True, False]  # step 31's segment
     assert fork.breaks_grammar(tokens, 155).tolist() == [True, True, False, True, True, True]  # the last: <eos>
     assert fork.breaks_grammar(tokens, 156).all()
 
@@ -124,7 +121,7 @@ def test_warm_start_data_err_at_their_rates():
     assert not bool(went_on[needed == fork.N_SEGMENTS].any())
     # Per step: mistakes among the words written, slips among the steps reached.
     inside = torch.arange(fork.MAX_RESPONSE_LEN).unsqueeze(0) < lengths.unsqueeze(1)
-    mistakes = int((fork.is_mistake(response) & inside).sum())
+    mistakes = int((fork.is_mistake(response, torch.arange(fork.MAX_RESPONSE_LEN)) & inside).sum())
     slips = int((ending == Ending.SLIPPED).sum()) + int(
         ((ending == Ending.MISTAKE) & (response[rows, lengths - 1] != EOS)).sum()
     )
@@ -156,3 +153,15 @@ def test_the_tasks_have_their_own_base_models():
     net = model.build_model(spec, 0, "fork")
     assert net.config.vocab_size == fork.VOCAB_SIZE
     assert net.config.max_position_embeddings == fork.PROMPT_LEN + fork.MAX_RESPONSE_LEN
+
+
+def test_the_second_tasks_comparison_grid(tmp_path):
+    """``--task fork --grid pair``: ReSPO, VESPO and respo_pos at N = 32 with the verdict's seeds, run names
+    carrying the task; a task that does not exist is argparse's one line and exit 2."""
+    from experiments.mini import cli, protocol
+
+    args = cli.resolve(cli.build_parser().parse_args(["--task", "fork", "--grid", "pair", "--seeds", "0,2"]))
+    assert args.task == "fork" and args.algos == ["respo", "vespo", "respo_pos"]
+    assert sorted(args.runs) == sorted((a, 32, protocol.ABLATION_LR, s) for a in args.algos for s in (0, 2))
+    assert cli.resolve(cli.build_parser().parse_args([])).task == "chain"
+    assert cli.main(["--task", "forks", "--out", str(tmp_path)]) == 2
