@@ -52,7 +52,7 @@ def test_high_tail_counts_by_hand():
 
 def test_the_fork_task_ships_its_base_models():
     spec = model_lib.ModelSpec()
-    for w in (0,):  # warm seed 1 is not shipped yet (docs/mini.md, "The second task")
+    for w in range(protocol.N_WARM_STARTS):
         warm = model_lib.WarmStart(seed=w, steps=fork.WARM_START_STEPS)
         path = model_lib.shipped_path(spec, warm, "fork")
         assert path.is_file(), (
