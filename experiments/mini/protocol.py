@@ -54,7 +54,7 @@ FULL_SEEDS = tuple(range(4 * N_WARM_STARTS))
 QUICK_SEEDS = (0,)
 # The branch ablation: the verdict's pair, the two branch hybrids, φ ≡ 1 and GRPO without clipping.
 ABLATION = ("respo", "vespo", "respo_pos", "respo_neg", "phi_one", "grpo_noclip")
-# The common rate --full chose and the verdict's 16 runs used (docs/mini.md, "--full, measured: the verdict").
+# The common rate --full chose and the verdict's 16 runs used (docs/mini.md, "`--full`, measured: the verdict").
 ABLATION_LR = 4e-4
 # Measured wall time of one 192-update run at N = 32 on the 2-CPU AMD EPYC with another job on the machine
 # (`--algos respo --seeds 0`: 109 s); the estimate printed before a named grid assumes each worker takes this long
