@@ -377,13 +377,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     for name, members in views.items():
         text, path = summary.report_view(name, members, out)
         sections += [f"## Report: {name} (`{path.relative_to(out)}`)", "", text, ""]
-    results = "\n".join(sections)
-    (out / "results.md").write_text(results)
-    runs = [r.as_dict() for _, r in done]
-    (out / "summary.json").write_text(json.dumps({"wall_s": wall, "machine": session.host, "runs": runs}))
-    print(results)
+    _write_results(session, sections, done, wall)
     print(f"\ntotal {wall:.0f} s; summary {out / 'results.md'}; reports under {out / 'report'}")
     return 0
+
+
+def _write_results(session: _Session, sections: list[str], done: list, wall: float) -> None:
+    """``results.md`` (printed too) and ``summary.json`` of an invocation."""
+    results = "\n".join(sections)
+    (session.out / "results.md").write_text(results)
+    runs = [r.as_dict() for _, r in done]
+    (session.out / "summary.json").write_text(json.dumps({"wall_s": wall, "machine": session.host, "runs": runs}))
+    print(results)
 
 
 def _finish_grid(session: _Session, done: list, table: list[str], wall: float) -> int:
@@ -392,10 +397,6 @@ def _finish_grid(session: _Session, done: list, table: list[str], wall: float) -
     out, args = session.out, session.args
     sections = summary.results_markdown(session.argv, session.host, args.threads, args.workers, done, wall)
     sections += [f"## {protocol.GRIDS[args.grid].about[0].upper()}{protocol.GRIDS[args.grid].about[1:]}", "", *table]
-    results = "\n".join(sections)
-    (out / "results.md").write_text(results)
-    runs = [r.as_dict() for _, r in done]
-    (out / "summary.json").write_text(json.dumps({"wall_s": wall, "machine": session.host, "runs": runs}))
-    print(results)
+    _write_results(session, sections, done, wall)
     print(f"\nmeasured wall time {wall:.0f} s ({wall / 60:.1f} min); summary {out / 'results.md'}")
     return 0

@@ -53,6 +53,7 @@ from experiments.mini.task import (
     held_out_problems,
     problem_digits,
     prompts_of,
+    render_tokens,
     sample_prompts,
     sample_training_prompts,
 )
@@ -122,16 +123,7 @@ def fork_position(segment: int | torch.Tensor) -> int | torch.Tensor:
 
 def detokenize(ids: list[int]) -> str:
     """Readable form: words as ``<step>.<letter>`` (1-based steps), e.g. ``: 1.c 2.a … 30.d + 31.b``."""
-    out = []
-    for i in ids:
-        if i in TOKEN_NAMES:
-            out.append(TOKEN_NAMES[i])
-        elif i >= WORD_BASE:
-            step, v = divmod(i - WORD_BASE, WORDS_PER_STEP)
-            out.append(f"{step + 1}.{'abcdefgh'[v]}")
-        else:
-            out.append(str(i - DIGIT_BASE))
-    return " ".join(out)
+    return render_tokens(ids, TOKEN_NAMES, WORD_BASE, WORDS_PER_STEP)
 
 
 def _allowed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -55,12 +55,17 @@ def word(step: int | torch.Tensor, v: int | torch.Tensor) -> int | torch.Tensor:
 
 def detokenize(ids: list[int]) -> str:
     """Readable form of a token list: words as ``<step>.<letter>`` (1-based steps), e.g. ``: 1.c 2.a #``."""
+    return render_tokens(ids, TOKEN_NAMES, WORD_BASE, WORDS_PER_STEP)
+
+
+def render_tokens(ids: list[int], names: dict[int, str], word_base: int, words_per_step: int) -> str:
+    """Named tokens by ``names``, words (ids from ``word_base``) as ``<step>.<letter>``, the rest as prompt digits."""
     out = []
     for i in ids:
-        if i in TOKEN_NAMES:
-            out.append(TOKEN_NAMES[i])
-        elif i >= WORD_BASE:
-            step, v = divmod(i - WORD_BASE, WORDS_PER_STEP)
+        if i in names:
+            out.append(names[i])
+        elif i >= word_base:
+            step, v = divmod(i - word_base, words_per_step)
             out.append(f"{step + 1}.{'abcdefgh'[v]}")
         else:
             out.append(str(i - DIGIT_BASE))
