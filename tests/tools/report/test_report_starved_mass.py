@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.report_logs import runs_and_logs
 
 from respo_verl import algorithms
 from respo_verl.cli import main as cli_main
@@ -61,13 +62,7 @@ def report(folder: Path, out: Path, *flags: str) -> str:
 
 
 def _runs_and_logs(folder: Path):
-    runs, logs = [], {}
-    for path in sorted(folder.glob("*.jsonl")):
-        log = read_log(path)
-        summary = summarise_run(log, None)
-        runs.append(summary)
-        logs[summary.name] = log
-    return runs, logs
+    return runs_and_logs(folder)
 
 
 def four_methods(folder: Path) -> Path:

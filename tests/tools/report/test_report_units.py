@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.report_logs import runs_and_logs
 
 from respo_verl.cli import main as cli_main
 from respo_verl.tools.report.analysis import LOSS_OWN, RunIdentity, parse_run_name, summarise_groups, summarise_run
@@ -76,13 +77,7 @@ def test_a_log_whose_n_contradicts_its_name_is_refused(tmp_path, capsys):
 
 
 def _groups(folder: Path):
-    runs, logs = [], {}
-    for path in sorted(folder.glob("*.jsonl")):
-        log = read_log(path)
-        summary = summarise_run(log, None)
-        runs.append(summary)
-        logs[summary.name] = log
-    return summarise_groups(runs, logs)[0]
+    return summarise_groups(*runs_and_logs(folder))[0]
 
 
 def test_starved_mass_plot_is_one_mean_line_per_group_over_the_updates_run(tmp_path):
