@@ -13,6 +13,11 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
   line that marks the resume (:data:`respo_verl.patches.verl_0_9_1.RESUME_EVENT`).
 - **a stop on request.** When :func:`respo_verl.verl.checkpoint.stop_request` exists (the entry point writes it on
   SIGTERM), the trainer saves a checkpoint at the end of the current step and ends the run.
+- **samples in the order of the data loader.** verl's replay buffer hands a step its samples in the order the
+  rollouts finished; the trainer puts them in the data loader's order of their prompts, then by sample
+  (:func:`in_prompt_order`), so that a step's batch, and every sum over it, does not depend on the rollouts' timing.
+  Two runs with verl's ``rollout.full_determinism`` (and a resumed run and an uninterrupted one) then agree to the
+  last bit in every metric, not only in the weights.
 - **guards** on every step's metrics (:class:`GuardConfig`, the ``run_guard`` node of the presets): samples whose
   reward failed and were replaced by padding (``respo_verl/failed_samples``, ``.../failed_share``) above a share, and
   a collapsed policy (the clamp share of log W above a bound, or entropy near 0 with no group that carries a signal
@@ -22,6 +27,7 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -158,6 +164,26 @@ def dead_agent_loop_workers(workers: list, step: int) -> None:
             ) from None
 
 
+def in_prompt_order(batch, prompt_order: dict[str, int]):
+    """``batch`` (a TransferQueue ``KVBatchMeta`` of the train partition) with its samples, and their tags, sorted
+    by the data loader's position of their prompt (``prompt_order``: uid -> position), then by session and index.
+
+    verl's keys are ``{uid}_{session_id}_{index}``; a key of another form, or a prompt the data loader never gave,
+    is an error that names it.
+    """
+
+    def rank(key: str) -> tuple[int, int, int]:
+        parts = key.split("_")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ValueError(f"sample key {key!r} is not verl's {{uid}}_{{session_id}}_{{index}}")
+        if parts[0] not in prompt_order:
+            raise ValueError(f"sample key {key!r}: its prompt {parts[0]!r} did not come from the train data loader")
+        return prompt_order[parts[0]], int(parts[1]), int(parts[2])
+
+    order = sorted(range(len(batch.keys)), key=lambda i: rank(batch.keys[i]))
+    return dataclasses.replace(batch, keys=[batch.keys[i] for i in order], tags=[batch.tags[i] for i in order])
+
+
 def _trainer_class() -> type:
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
@@ -173,7 +199,16 @@ def _trainer_class() -> type:
             # The run's identity before verl adds its own keys (optimizer step counts, TransferQueue) to the config.
             self._run = checkpoint.identity(config)
             verl_0_9_1.FILE_LOGGER_APPEND.apply()
+            self._prompt_order: dict[str, int] = {}  # uid -> position, for the train prompts not yet sampled
+            self._prompts_fetched = 0
             super().__init__(config, *args, **kwargs)
+
+        def _fetch_one_gen_batch(self):
+            batch = super()._fetch_one_gen_batch()
+            for uid in batch["uid"]:
+                self._prompt_order[str(uid)] = self._prompts_fetched
+                self._prompts_fetched += 1
+            return batch
 
         def _load_checkpoint(self):
             plan = checkpoint.plan_resume(self.config, run=self._run)
@@ -196,6 +231,7 @@ def _trainer_class() -> type:
         def on_train_begin(self):
             super().on_train_begin()
             self._watch_agent_loop_workers()
+            self._sample_in_prompt_order()
             log = self.logger.log  # verl's Tracking, built by fit() before this hook
 
             def log_then_mark(*args, **kwargs):
@@ -223,6 +259,21 @@ def _trainer_class() -> type:
                 return result
 
             buffer._wait_for_next_poll = wait_and_check
+
+        def _sample_in_prompt_order(self) -> None:
+            """The replay buffer's train batches in the data loader's order (:func:`in_prompt_order`)."""
+            sample = self.replay_buffer.sample
+
+            def sample_in_order(*args, **kwargs):
+                batch, metrics = sample(*args, **kwargs)
+                if batch.partition_id != "train":
+                    return batch, metrics
+                ordered = in_prompt_order(batch, self._prompt_order)
+                for key in ordered.keys:  # a prompt is sampled once: forget it (the run may last days)
+                    self._prompt_order.pop(key.split("_")[0], None)
+                return ordered, metrics
+
+            self.replay_buffer.sample = sample_in_order
 
         def _save_checkpoint(self):
             super()._save_checkpoint()
