@@ -261,14 +261,18 @@ def _appending_file_logger(file_logger_cls: type) -> type:
                 root = os.path.expanduser(os.getenv("VERL_FILE_LOGGER_ROOT", "."))
                 os.makedirs(os.path.join(root, project_name), exist_ok=True)
                 self.filepath = os.path.join(root, project_name, f"{experiment_name}.jsonl")
-            attempts = 0
+            attempts, cut = 0, False
             if os.path.isfile(self.filepath) and os.path.getsize(self.filepath) > 0:
                 with open(self.filepath, "rb") as fh:
                     attempts = 2 + sum(b'"event":"resume"' in line for line in fh)
+                    fh.seek(-1, os.SEEK_END)
+                    cut = fh.read(1) != b"\n"  # the attempt before was killed while writing a line
             print(f"Creating file logger at {os.path.abspath(self.filepath)} ({'appending' if attempts else 'new'})")
             self.fp = open(self.filepath, "ab", buffering=0)
             if attempts:
-                self.fp.write(orjson.dumps({"event": RESUME_EVENT, "attempt": attempts}) + b"\n")
+                # The resume line starts a line of its own; a cut line stays as it was, for the reader to report.
+                event = orjson.dumps({"event": RESUME_EVENT, "attempt": attempts})
+                self.fp.write((b"\n" if cut else b"") + event + b"\n")
 
     return AppendingFileLogger
 

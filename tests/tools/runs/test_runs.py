@@ -143,3 +143,33 @@ def test_the_patched_file_logger_appends_after_a_resume_line_and_the_reader_agre
     assert log.attempts == 3 and log.complete_through(5)
     assert log.metrics["critic/score/mean"][3] == pytest.approx(2.3)  # attempt 2's line
     assert "the line of attempt 2 kept" in log.continuity[0]
+
+
+def test_a_resume_after_a_cut_line_starts_its_own_line_and_the_reader_names_the_cut_one(tmp_path, monkeypatch):
+    """An attempt killed in the middle of writing its step 3 line: the next attempt's resume line is not glued to it."""
+    from verl.utils import tracking
+
+    from respo_verl.patches.verl_0_9_1 import FILE_LOGGER_APPEND
+
+    path = tmp_path / "run.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    FILE_LOGGER_APPEND.apply()
+    try:
+        logger = tracking.FileLogger("p", "e")
+        for step in (1, 2):
+            logger.log({"critic/score/mean": step / 10}, step)
+        logger.finish()
+        with path.open("ab") as fh:
+            fh.write(b'{"step": 3, "data": {"critic/sc')  # the kill
+        logger = tracking.FileLogger("p", "e")
+        for step in (3, 4):
+            logger.log({"critic/score/mean": 1 + step / 10}, step)
+        logger.finish()
+    finally:
+        FILE_LOGGER_APPEND.remove()
+    lines = path.read_text().splitlines()
+    assert lines[2] == '{"step": 3, "data": {"critic/sc' and json.loads(lines[3]) == {"event": "resume", "attempt": 2}
+    log = read_log(path)
+    assert log.attempts == 2 and log.complete_through(4)
+    assert log.metrics["critic/score/mean"][3] == pytest.approx(1.3)
+    assert len(log.skipped) == 1 and "run.jsonl:3: not JSON" in log.skipped[0], log.skipped
