@@ -25,8 +25,10 @@ its forwards chose, as verl's vLLM server does: ``TokenOutput.routed_experts``, 
 response length - 1, MoE layers, top-k) with the routes of every token fed to the model (the last sampled token is
 never fed), recorded with :class:`respo_verl.routing.hf.RoutingReplay`.
 
-With ``actor_rollout_ref.rollout.full_determinism=true`` (verl's own switch: its agent loops then name each request
-``det-<position in the batch>``), every request samples from a generator of its own, seeded from the rollout seed,
+With ``actor_rollout_ref.rollout.full_determinism=true`` (verl's own switch: its single-turn agent loop then names
+each request ``det-<priority>``, and the CPU runtime's
+:data:`~respo_verl.patches.verl_0_9_1.SAMPLE_REQUEST_IDS` gives every sample a priority of its own where verl's
+TransferQueue agent loop passes none), every request samples from a generator of its own, seeded from the rollout seed,
 the training step and the request id (:func:`request_generator`), so the order in which the agent loop's requests
 reach the server no longer matters: two runs with one seed sample the same responses, and a resumed run samples what
 the uninterrupted one did. Otherwise the server's one generator, seeded at start-up, serves requests as they come.

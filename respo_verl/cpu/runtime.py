@@ -11,8 +11,9 @@ and undone by ``RUNTIME.remove()``:
 
 - registers the CPU platform through verl's public ``PlatformRegistry``, sets ``VERL_PLATFORM=cpu`` and makes it this
   process's platform (verl may have resolved one at import);
-- applies verl 0.9.1's :data:`~respo_verl.patches.verl_0_9_1.GLOO_DEFAULT_BACKEND` and
-  :data:`~respo_verl.patches.verl_0_9_1.FP32_MEGATRON_CONFIG`;
+- applies verl 0.9.1's :data:`~respo_verl.patches.verl_0_9_1.GLOO_DEFAULT_BACKEND`,
+  :data:`~respo_verl.patches.verl_0_9_1.FP32_MEGATRON_CONFIG` and
+  :data:`~respo_verl.patches.verl_0_9_1.SAMPLE_REQUEST_IDS`;
 - registers the ``hf_cpu`` rollout replica through the public ``RolloutReplicaRegistry`` and its adapter in verl's
   private rollout-class table (verl offers no public one);
 - when verl imports its engine modules (worker processes), registers them for device ``cpu`` through the public
@@ -107,7 +108,8 @@ def _register_megatron_engines(patch: Patch) -> None:
 
 def _install(patch: Patch) -> None:
     _register_platform(patch)
-    for dependency in (verl_0_9_1.GLOO_DEFAULT_BACKEND, verl_0_9_1.FP32_MEGATRON_CONFIG):
+    dependencies = (verl_0_9_1.GLOO_DEFAULT_BACKEND, verl_0_9_1.FP32_MEGATRON_CONFIG, verl_0_9_1.SAMPLE_REQUEST_IDS)
+    for dependency in dependencies:
         if dependency.apply():
             patch.on_remove(dependency.remove, dependency.name)
     _register_rollout(patch)

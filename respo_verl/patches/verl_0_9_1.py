@@ -1,6 +1,6 @@
 """Patches of verl 0.9.1, each a :class:`respo_verl.patches.Patch` that refuses any other verl version.
 
-None is applied on import. The first three serve verl on a CPU machine; the last one every run of the respo-verl
+None is applied on import. The first four serve verl on a CPU machine; the last one every run of the respo-verl
 trainer.
 
 - :data:`GLOO_DEFAULT_BACKEND`, applied by the CPU runtime (``respo_verl.cpu.runtime.enable``).
@@ -29,6 +29,13 @@ trainer.
     :func:`per_sample_routes`).
 
   Delete when: verl's Megatron engine runs on a CPU platform with megatron-core's local layers.
+- :data:`SAMPLE_REQUEST_IDS`, applied by the CPU runtime. With ``rollout.full_determinism`` verl's single-turn agent
+  loop names its request ``det-<priority>``, and verl's TransferQueue agent loop (the V1 trainer's) passes no
+  priority: every request of a step is ``det-0``, so the CPU rollout server, which seeds each request from its id,
+  sampled the n responses of a prompt (and every prompt) from one random stream, and every group had one reward.
+  Under the patch a request without a priority gets one derived from the sample (:func:`sample_priority`: the
+  dataset index, the session, i.e. which of the n responses it is, and the prompt), the same in every run.
+  Delete when: verl's TransferQueue agent loop gives each sample a priority of its own.
 - :data:`FILE_LOGGER_APPEND`, applied by the respo-verl trainer (``respo_verl/verl/trainer.py``) in the process
   that builds verl's ``Tracking``. verl's ``verl.utils.tracking.FileLogger`` opens its file with ``"wb"``, so a
   resumed run erases the steps it logged before the pre-emption. Under the patch ``Tracking`` builds
@@ -41,7 +48,9 @@ trainer.
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
+from typing import Any
 
 import torch
 
@@ -55,6 +64,7 @@ FP32_NAMES = ("fp32", "float32", "32")
 # A dtype verl's own check accepts, stood in while it runs on an fp32 config.
 _CHECKED_DTYPE = "bfloat16"
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+SINGLE_TURN_MODULE = "verl.experimental.agent_loop.single_turn_agent_loop"
 
 
 def _gloo_default_backend(patch: Patch) -> None:
@@ -241,6 +251,35 @@ def _megatron_engine_on_cpu(patch: Patch) -> None:
 
 
 MEGATRON_ENGINE_ON_CPU = Patch("verl's Megatron engine on padded CPU batches", VERL, VERSION, _megatron_engine_on_cpu)
+
+
+def sample_priority(index: Any, session_id: Any, raw_prompt: Any) -> int:
+    """A request priority (hence, with ``full_determinism``, the request id ``det-<priority>``) that names one
+    sample: its dataset index, its session (which of the prompt's n responses) and its prompt; below 2**56."""
+    digest = hashlib.sha256(f"{index}/{session_id}/{raw_prompt!r}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+def _sample_request_ids(patch: Patch) -> None:
+    def wrap_run() -> None:
+        from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+        original = vars(SingleTurnAgentLoop)["run"]
+
+        @functools.wraps(original)
+        async def run(self, sampling_params, **kwargs):
+            if "priority" not in kwargs and "session_id" in kwargs:
+                sample = (kwargs.get("index"), kwargs["session_id"], kwargs.get("raw_prompt"))
+                kwargs["priority"] = sample_priority(*sample)
+            return await original(self, sampling_params, **kwargs)
+
+        why = "the TransferQueue agent loop passes no priority: with full_determinism every request is det-0"
+        patch.replace(SingleTurnAgentLoop, "run", run, why)
+
+    patch.after_import(SINGLE_TURN_MODULE, wrap_run, "a request id of its own for every sample")
+
+
+SAMPLE_REQUEST_IDS = Patch("a request id of its own for every sample", VERL, VERSION, _sample_request_ids)
 
 
 # The line an appending file logger writes where a resumed attempt starts.

@@ -192,8 +192,8 @@ def test_rollout_server_loads_only_complete_matching_weight_updates():
 
 
 def test_deterministic_rollout_samples_by_request_not_by_arrival_order():
-    """verl's ``rollout.full_determinism`` names requests ``det-<position>``; the server's draws then depend on
-    (seed, step, request id) only, so request order, which the agent loop does not fix, no longer matters."""
+    """verl's ``rollout.full_determinism`` names requests ``det-<priority>`` (one per sample); the server's draws then
+    depend on (seed, step, request id) only, so request order, which the agent loop does not fix, no longer matters."""
     import asyncio
 
     from respo_verl.cpu.rollout import CPURolloutServer

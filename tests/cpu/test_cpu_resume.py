@@ -150,9 +150,13 @@ def uninterrupted(kit, tmp_path_factory) -> Path:
     return reference
 
 
-def _assert_resumed_exactly(run: Path, reference: Path) -> None:
-    """Every step's metrics, and the final weights, are those of the uninterrupted run."""
-    _assert_same_metrics(_metrics_by_step(run / "log.jsonl"), _metrics_by_step(reference / "log.jsonl"))
+def _assert_resumed_exactly(run: Path, reference: Path, resumed_from: int) -> None:
+    """Every step's metrics, and the final weights, are those of the uninterrupted run, which trained after
+    ``resumed_from`` (a run without gradients would leave the weights and the optimizer's moments untested)."""
+    expected = _metrics_by_step(reference / "log.jsonl")
+    trained = [step for step, data in expected.items() if step > resumed_from and data["actor/grad_norm"] > 0]
+    assert trained, {step: data["actor/grad_norm"] for step, data in expected.items()}
+    _assert_same_metrics(_metrics_by_step(run / "log.jsonl"), expected)
     resumed_weights, reference_weights = _final_weights(run / "ckpt", 4), _final_weights(reference / "ckpt", 4)
     assert resumed_weights.keys() == reference_weights.keys()
     for name, state in reference_weights.items():
@@ -186,7 +190,7 @@ def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_ref
     assert [line.get("event") for line in lines] == [None] * stopped + ["resume"] + [None] * (4 - stopped)
     assert (folder / "global_step_4" / MARKER).is_file()
 
-    _assert_resumed_exactly(tmp_path, uninterrupted)
+    _assert_resumed_exactly(tmp_path, uninterrupted, stopped)
 
     # Another configuration (N = 1) launched into the same folder: refused before Ray starts, naming both.
     rc, out = _launch(tmp_path, _command(folder, 1, 4, "trainer.save_freq=3"))
@@ -290,7 +294,7 @@ def test_sigkill_after_a_periodic_checkpoint_ray_is_gone_and_the_relaunch_resume
     steps_then_events = [line.get("step", line.get("event")) for line in lines]
     assert steps_then_events == [*first_attempt, "resume", *range(resumed_from + 1, 5)], steps_then_events
     assert (folder / "global_step_4" / MARKER).is_file()
-    _assert_resumed_exactly(tmp_path, uninterrupted)
+    _assert_resumed_exactly(tmp_path, uninterrupted, resumed_from)
 
 
 def torch_equal(a, b) -> bool:
