@@ -41,7 +41,8 @@ _ABLATIONS = (
 BY_NAME = {a.name: a for a in (*_ALGORITHMS, *_ABLATIONS)}
 ALGORITHMS: tuple[str, ...] = tuple(a.name for a in _ALGORITHMS)
 ABLATIONS: tuple[str, ...] = tuple(a.name for a in _ABLATIONS)
-_KNOWN = (*ALGORITHMS, *ABLATIONS)
+# Every preset a run can name: the default algorithms, then the ablations.
+NAMES: tuple[str, ...] = (*ALGORITHMS, *ABLATIONS)
 # Differences in the comparison report are taken to this algorithm's late score at the same N.
 BASELINE = "vespo"
 
@@ -51,7 +52,7 @@ def get(name: str) -> Algorithm:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(_KNOWN)}") from None
+        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(NAMES)}") from None
 
 
 def display_name(name: str) -> str:
@@ -60,14 +61,14 @@ def display_name(name: str) -> str:
 
 def order(name: str) -> int:
     """Sort key: position in :data:`ALGORITHMS`, then in :data:`ABLATIONS`."""
-    return _KNOWN.index(get(name).name)
+    return NAMES.index(get(name).name)
 
 
 def parse_list(text: str) -> tuple[str, ...]:
     """``"respo,vespo"`` → ``("respo", "vespo")``; ValueError for an unknown, repeated or missing name."""
     names = [part.strip() for part in text.split(",")]
     if not text.strip() or any(not n for n in names):
-        raise ValueError(f"expected a comma-separated list of algorithms from {', '.join(_KNOWN)}, got {text!r}")
+        raise ValueError(f"expected a comma-separated list of algorithms from {', '.join(NAMES)}, got {text!r}")
     for name in names:
         get(name)
     if len(set(names)) != len(names):

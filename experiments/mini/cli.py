@@ -392,11 +392,17 @@ def _write_results(session: _Session, sections: list[str], done: list, wall: flo
 
 
 def _finish_grid(session: _Session, done: list, table: list[str], wall: float) -> int:
-    """results.md and summary.json of a named grid. No manifest or report views: the run manifest
-    (``respo_verl.tools.runs.manifest``) admits only ``algorithms.ALGORITHMS``, not the ablation presets."""
+    """The manifest, results.md, summary.json and ``respo-verl report`` of a named grid (``report/<grid>/``: its
+    scores, starved mass and the gap plot, the ablation presets included)."""
+    from respo_verl.tools.runs.manifest import write_manifest
+
     out, args = session.out, session.args
+    records = [r for r, _ in session.records(done)]
+    write_manifest(records, out)
     sections = summary.results_markdown(session.argv, session.host, args.threads, args.workers, done, wall)
     sections += [f"## {protocol.GRIDS[args.grid].about[0].upper()}{protocol.GRIDS[args.grid].about[1:]}", "", *table]
+    text, path = summary.report_view(args.grid, records, out)
+    sections += ["", f"## Report: {args.grid} (`{path.relative_to(out)}`)", "", text, ""]
     _write_results(session, sections, done, wall)
     print(f"\nmeasured wall time {wall:.0f} s ({wall / 60:.1f} min); summary {out / 'results.md'}")
     return 0

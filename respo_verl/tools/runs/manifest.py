@@ -23,7 +23,7 @@ class RunRecord:
 
     Attributes:
         name: run name, also the log file stem (``<name>.jsonl``).
-        algorithm: one of :data:`respo_verl.algorithms.ALGORITHMS`.
+        algorithm: one of :data:`respo_verl.algorithms.NAMES` (the default algorithms and the ablation presets).
         reuse: N, optimizer updates per rollout batch (``train_batch_size / ppo_mini_batch_size``).
         seed: the run's seed.
         log: path of the run's verl file-logger log, relative to the manifest's directory or absolute.
@@ -54,9 +54,9 @@ class RunRecord:
     log_step: str = "training"
 
     def __post_init__(self) -> None:
-        if self.algorithm not in algorithms.ALGORITHMS:
+        if self.algorithm not in algorithms.NAMES:
             raise ValueError(
-                f"run {self.name}: algorithm must be one of {', '.join(algorithms.ALGORITHMS)}, got {self.algorithm!r}"
+                f"run {self.name}: algorithm must be one of {', '.join(algorithms.NAMES)}, got {self.algorithm!r}"
             )
         for key in ("reuse", "seed", "optimizer_steps"):
             value = getattr(self, key)

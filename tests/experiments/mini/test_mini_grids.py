@@ -167,3 +167,21 @@ def test_grid_markdown_on_hand_values():
     assert "held-out score (%) |" in text and "| GRPO | 32 | 1 | 60.00 ± nan | — | 50.00 ± nan |" in text
     assert "| ReSPO − VESPO, N = 32, held-out | 2 | +2.50 |" in text
     assert "| GRPO − VESPO, N = 32 | 1 | -11.00 |" in text
+
+
+def test_a_grid_writes_its_manifest_and_report_with_the_ablation_presets(tmp_path, monkeypatch):
+    """A named grid end to end (a tiny one put in place of the protocol's, 4 updates per run): its manifest lists the
+    ablation preset's run, and ``respo-verl report`` on the grid names it and compares it with VESPO."""
+    from respo_verl.tools.runs.manifest import MANIFEST_NAME, read_manifest
+
+    tiny = protocol.Grid(
+        "tiny", tuple((a, (2,), (0,)) for a in ("respo", "vespo", "respo_pos")), 4, False, "a tiny grid"
+    )
+    monkeypatch.setitem(protocol.GRIDS, "tiny", tiny)
+    out = tmp_path / "tiny"
+    assert mini_cli.main(["--grid", "tiny", "--out", str(out), "--workers", "1", "--no-progress"]) == 0
+    records = read_manifest(out / MANIFEST_NAME)
+    assert sorted(r.algorithm for r in records) == ["respo", "respo_pos", "vespo"]
+    report = (out / "report" / "tiny" / "report.md").read_text()
+    assert "ReSPO+ / VESPO−" in report, report
+    assert "## Report: tiny" in (out / "results.md").read_text()
