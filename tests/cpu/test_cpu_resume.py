@@ -71,6 +71,17 @@ def _command(folder: Path, reuse: int, steps: int, *extra: str) -> list[str]:
     ]
 
 
+def _start(tmp_path: Path, command: list[str], ray_tmp: str, log: Path, out) -> subprocess.Popen:
+    """Start ``command`` in ``tmp_path`` with its Ray temp dir, its file logger at ``log`` and its output to ``out``."""
+    return subprocess.Popen(
+        [*command, f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"],
+        cwd=tmp_path,
+        env=_env(log),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+
+
 def _launch(tmp_path: Path, command: list[str], sigterm_after_step: int | None = None, timeout: float = 600):
     """Run ``command`` (a Ray temp dir of its own); with ``sigterm_after_step``, send the driver SIGTERM as soon as
     the log holds that step. Returns (returncode, output)."""
@@ -80,13 +91,7 @@ def _launch(tmp_path: Path, command: list[str], sigterm_after_step: int | None =
     out_path = tmp_path / f"out-{time.monotonic_ns()}.txt"
     try:
         with out_path.open("w") as out:
-            proc = subprocess.Popen(
-                [*command, f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"],
-                cwd=tmp_path,
-                env=_env(log),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+            proc = _start(tmp_path, command, ray_tmp, log, out)
             deadline = time.monotonic() + timeout
             signalled = sigterm_after_step is None
             while proc.poll() is None and time.monotonic() < deadline:
@@ -231,13 +236,7 @@ def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float
 
     try:
         with out_path.open("w") as out:
-            proc = subprocess.Popen(
-                [*command, f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"],
-                cwd=tmp_path,
-                env=_env(log),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+            proc = _start(tmp_path, command, ray_tmp, log, out)
             deadline = time.monotonic() + timeout
             while proc.poll() is None and not marker.is_file() and time.monotonic() < deadline:
                 time.sleep(0.2)
