@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grid",
         choices=sorted(protocol.GRIDS),
         default=None,
-        help="a named grid at the verdict's common rate, resumable (--seeds reduces it): "
-        + "; ".join(f"{g.name}: {g.about}" for g in protocol.GRIDS.values()),
+        help="a named grid at its rate, resumable (--seeds reduces it): "
+        + "; ".join(f"{g.name}: {g.about}, lr {g.lr:g}" for g in protocol.GRIDS.values()),
     )
     parser.add_argument("--ablate", action="store_true", help="the same as --grid ablate")
     parser.add_argument(
@@ -152,7 +152,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if not args.runs:
             raise UsageError(f"--seeds {','.join(map(str, args.seeds))}: the {args.grid} grid has no run with them")
         args.algos = sorted({a for a, _, _, _ in args.runs}, key=algorithms.order)
-        args.reuse, args.lr = sorted({n for _, n, _, _ in args.runs}), [protocol.ABLATION_LR]
+        args.reuse, args.lr = sorted({n for _, n, _, _ in args.runs}), [grid.lr]
         args.seeds = sorted({s for _, _, _, s in args.runs})
         args.optimizer_steps = grid.optimizer_steps
         args.held_out = grid.held_out
@@ -339,9 +339,7 @@ def _run_grid(session: _Session) -> tuple[list, list[str]]:
     done = session.execute(cfgs)
     scores = summary.scores_by_seed(done)
     if grid.name == "ablate":
-        table = summary.ablation_markdown(
-            {a: v["late"] for (a, _), v in scores.items()}, protocol.ABLATION_LR, protocol.GRID_REUSE
-        )
+        table = summary.ablation_markdown({a: v["late"] for (a, _), v in scores.items()}, grid.lr, protocol.GRID_REUSE)
     else:
         table = summary.grid_markdown(grid, scores)
     return done, table
@@ -400,6 +398,10 @@ def _finish_grid(session: _Session, done: list, table: list[str], wall: float) -
     records = [r for r, _ in session.records(done)]
     write_manifest(records, out)
     sections = summary.results_markdown(session.argv, session.host, args.threads, args.workers, done, wall)
+    pooled = summary.pooled_regime_lines(done)
+    if pooled:
+        heading = f"## Regime checks of each method at N = {protocol.GRID_REUSE}, pooled over its seeds"
+        sections += [heading, "", *pooled, ""]
     sections += [f"## {protocol.GRIDS[args.grid].about[0].upper()}{protocol.GRIDS[args.grid].about[1:]}", "", *table]
     text, path = summary.report_view(args.grid, records, out)
     sections += ["", f"## Report: {args.grid} (`{path.relative_to(out)}`)", "", text, ""]

@@ -7,24 +7,25 @@ needs, :func:`segments_needed`: from 2 for the easiest prompts to :data:`N_SEGME
     ``:``  w_1 … w_S  f_1  w_(S+1) … w_2S  f_2  …                  (S = :data:`SEGMENT_STEPS` words per segment)
 
 where w_s is one of the :data:`WORDS_PER_STEP` words of step s (every step its own words, as in the chain task:
-free wording, no reward depends on which) or a **mistake**: a word of another step of the same segment, which the
-grammar allows and the verifier does not (:func:`is_mistake`); and f_i, the **fork** after segment i, is ``+`` (go
-on) or ``<eos>`` (stop). After the last segment only ``<eos>`` is allowed. The forks are the answer's few
-reward-relevant decisions: the verifier gives +1 iff the answer is grammatical, has no mistake and stops at the fork
-of the prompt's segment count k; −1 otherwise. So a hard prompt needs a long correct answer (k = 5: 156 tokens) and
-an easy one a short one (k = 2: 63 tokens).
+free wording, no reward depends on which) or a **mistake**: a word of any other step, which the grammar allows and
+the verifier does not (:func:`is_mistake`); and f_i, the **fork** after segment i, is ``+`` (go on) or ``<eos>``
+(stop). After the last segment only ``<eos>`` is allowed. The forks are the answer's few reward-relevant decisions:
+the verifier gives +1 iff the answer is grammatical, has no mistake and stops at the fork of the prompt's segment
+count k; −1 otherwise. So a hard prompt needs a long correct answer (k = 5: 156 tokens) and an easy one a short one
+(k = 2: 63 tokens).
 
-The response ends at ``<eos>`` or at its first token that breaks the grammar (:func:`breaks_grammar`), as in the
-chain task; a mistake does not break it. The warm start's data (:func:`warm_start_answer`) make the base model err in
-three ways:
+The response ends at ``<eos>`` or at its first token that breaks the grammar (:func:`breaks_grammar`): a word where
+``:`` or a fork belongs, ``<eos>`` inside a segment, a digit. A mistake does not end it: a word out of place is
+wrong, and the answer goes on (docs/mini.md, "The second task", says why the grammar changed to this). The warm
+start's data (:func:`warm_start_answer`) make the base model err in three ways:
 
 - it makes a **mistake** (:attr:`Ending.MISTAKE`) and goes on: the long wrong mode, as long as a correct answer
   and like one in every other token, so that what the updates do to the correct answers they do to it. Its
   mistakes are spread over thousands of (position, word) pairs, each sampled rarely, so that RL unlearns them
   slowly, as the chain task's slips;
 - it **goes on** (:attr:`Ending.OVERSHOT`): ``+`` at the fork where it should stop, and then on to the last segment;
-- it **slips** (:attr:`Ending.SLIPPED`): a word of a step of another segment, ending the response early, as in the
-  chain task.
+- it **slips**: a word of a step of another segment, where the data answer is cut off. Under the grammar a slip is
+  one more mistake, and a sampled answer goes on after it.
 
 docs/mini.md, "The second task", has the measurements.
 """
@@ -95,7 +96,7 @@ VOCAB_SIZE = WORD_BASE + N_STEPS * WORDS_PER_STEP
 # The warm start's data: at the fork where an answer should stop it goes on with probability OVERSHOOT_SHARE (and
 # then to the last segment); at every step it makes a mistake with probability MISTAKE_HAZARD (a uniform word of
 # another step of the segment, and goes on) and slips with probability SLIP_HAZARD (a word of a step of another
-# segment, and ends). With these, a third of the base model's answers are right and
+# segment, where the data answer is cut off). With these, a third of the base model's answers are right and
 # most wrong ones are long (docs/mini.md, "The second task").
 OVERSHOOT_SHARE = 0.1
 MISTAKE_HAZARD = 0.004
@@ -128,14 +129,13 @@ def detokenize(ids: list[int]) -> str:
 
 def _allowed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(MAX_RESPONSE_LEN,) ×5: the words the grammar allows at each position as a range [lo, hi) (the words of every
-    step of its segment; empty at ``:`` and the forks), the position's own step's words as a range [own_lo, own_hi),
-    and whether the position is a fork."""
+    step at a word's place; empty at ``:`` and the forks), the position's own step's words as a range
+    [own_lo, own_hi), and whether the position is a fork."""
     lo, hi, own_lo, own_hi = (torch.zeros(MAX_RESPONSE_LEN, dtype=torch.long) for _ in range(4))
     is_fork = torch.zeros(MAX_RESPONSE_LEN, dtype=torch.bool)
     for s in range(N_STEPS):
         position = 1 + s + s // SEGMENT_STEPS  # skips ":" and the forks before step s
-        first = s - s % SEGMENT_STEPS  # the segment's first step
-        lo[position], hi[position] = word(first, 0), word(first + SEGMENT_STEPS, 0)
+        lo[position], hi[position] = word(0, 0), word(N_STEPS, 0)
         own_lo[position], own_hi[position] = word(s, 0), word(s + 1, 0)
     for i in range(1, N_SEGMENTS + 1):
         is_fork[fork_position(i)] = True
@@ -155,18 +155,19 @@ def _in_grammar(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
 
 
 def is_mistake(tokens: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
-    """Whether ``tokens`` at response positions ``position`` are mistakes: words of another step of the position's
-    segment (bool, same shape as ``tokens``)."""
+    """Whether ``tokens`` at response positions ``position`` are mistakes: at a word's place, words of any other step
+    (bool, same shape as ``tokens``)."""
     position = torch.as_tensor(position).clamp(max=MAX_RESPONSE_LEN - 1).expand_as(tokens)
-    in_segment = (tokens >= _LO[position]) & (tokens < _HI[position])
-    return in_segment & ~((tokens >= _OWN_LO[position]) & (tokens < _OWN_HI[position]))
+    a_word = (tokens >= _LO[position]) & (tokens < _HI[position])
+    return a_word & ~((tokens >= _OWN_LO[position]) & (tokens < _OWN_HI[position]))
 
 
 def breaks_grammar(tokens: torch.Tensor, position: int) -> torch.Tensor:
     """Whether ``tokens``, at response position ``position`` (0-based), are outside the grammar (bool, same shape).
 
-    Position 0 must be ``:``; then each segment's positions a word of their step; each fork ``+`` or ``<eos>``, the
-    last fork ``<eos>`` only; nothing may follow. The sampler ends a response at such a token (``rollout.sample``)."""
+    Position 0 must be ``:``; then every word's place a word (of any step: a word of another step is a mistake, not
+    a break); each fork ``+`` or ``<eos>``, the last fork ``<eos>`` only; nothing may follow. The sampler ends a
+    response at such a token (``rollout.sample``)."""
     if position >= MAX_RESPONSE_LEN:
         return torch.ones_like(tokens, dtype=torch.bool)
     return ~_in_grammar(tokens, torch.full_like(tokens, position))
@@ -230,7 +231,7 @@ def steps_written(response: torch.Tensor) -> torch.Tensor:
     written = lengths - 1 - (lengths - 1) // SEGMENT_LEN  # positions after ":" that are not forks
     position = (lengths - 1).clamp(max=MAX_RESPONSE_LEN - 1)
     last_was_word = (position % SEGMENT_LEN != 0) & (position > 0)
-    bad_word = last_was_word & ~_in_grammar(last, position)  # the slip itself is not a word of the chain
+    bad_word = last_was_word & ~_in_grammar(last, position)  # a non-word in a word's place ended it: not written
     return (written - bad_word.long()).clamp(min=0, max=N_STEPS)
 
 
@@ -241,7 +242,7 @@ class Ending(enum.IntEnum):
     MISTAKE = 1  # a mistake was written (however the response ended afterwards)
     OVERSHOT = 2  # no mistake, went on at the fork where it should have stopped (however it ended afterwards)
     STOPPED_EARLY = 3  # ``<eos>`` at an earlier fork
-    SLIPPED = 4  # a word of another step before reaching its fork
+    SLIPPED = 4  # a word where ``:`` or a fork belongs
     OTHER = 5  # any other token out of place
 
 
@@ -288,7 +289,8 @@ def warm_start_answer(needed: int, generator: torch.Generator) -> list[int]:
     """One answer of the warm start's data for a prompt that needs ``needed`` segments: it goes on to the last
     segment with probability :data:`OVERSHOOT_SHARE` (where there is one), else stops right; at each step it makes a
     mistake with probability :data:`MISTAKE_HAZARD` (a uniform word of another step of the segment) and goes on,
-    and it slips with probability :data:`SLIP_HAZARD` (a uniform word of a step of another segment ends it)."""
+    and it slips with probability :data:`SLIP_HAZARD` (a uniform word of a step of another segment, where the
+    answer is cut off: the data have no word after a slip)."""
     overshoot = needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < OVERSHOOT_SHARE
     full = answer(needed, N_SEGMENTS if overshoot else needed, generator)
     steps = (len(full) - 1) // SEGMENT_LEN * SEGMENT_STEPS

@@ -40,6 +40,16 @@ def grid_regime(done) -> dict:
     return {key: regime.pool(protocol.GRID_REUSE, parts) for key, parts in runs.items()}
 
 
+def pooled_regime_lines(done) -> list[str]:
+    """One line per (method, rate) of :func:`grid_regime`: the regime checks of its runs at N = GRID_REUSE pooled
+    over their seeds (empty when no run is at that N)."""
+    from respo_verl import algorithms
+
+    pooled = grid_regime(done)
+    keys = sorted(pooled, key=lambda k: (k[1], algorithms.order(k[0])))
+    return [f"- {a}, lr {lr:g}: {pooled[(a, lr)].line()}" for a, lr in keys]
+
+
 def late_scores(records, out: Path) -> dict[tuple[str, float], float]:
     """(algorithm, lr) → mean late score over seeds, from the logs (``respo_verl.tools.runs.stats``)."""
     from respo_verl.tools.runs.logs import read_log
@@ -268,7 +278,7 @@ def grid_markdown(grid: protocol.Grid, scores: dict[tuple[str, int], dict[str, d
     held_out = any(cell.get("eval") for cell in scores.values())
     seeds = sorted({s for cell in scores.values() for s in cell["late"]})
     lines = [
-        f"{grid.about}; RL seeds run: {', '.join(map(str, seeds))}; lr {protocol.ABLATION_LR:g}, "
+        f"{grid.about}; RL seeds run: {', '.join(map(str, seeds))}; lr {grid.lr:g}, "
         f"{grid.optimizer_steps} updates per run, late = the last "
         "128 updates; starved mass: the method-independent share of gradient mass on positives with log W < −1, "
         "mean over the run's updates.",

@@ -386,6 +386,11 @@ def test_the_grid_is_pooled_per_method_and_rate():
     assert checks[("respo", 4e-4)].positives == 20 and checks[("respo", 4e-4)].starved_share == 0.2
     assert checks[("respo", 4e-4)].holds and not checks[("vespo", 4e-4)].holds
     assert protocol.regime_rates(checks) == []
+    from experiments.mini.summary import pooled_regime_lines
+
+    lines = pooled_regime_lines(done)  # what a named grid's results.md shows
+    assert len(lines) == 2 and lines[0].startswith("- respo, lr 0.0004: ") and lines[1].startswith("- vespo, lr 0.0004")
+    assert lines[0].endswith(checks[("respo", 4e-4)].line())
 
 
 def test_warm_start_reports_progress(tmp_path):
