@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from experiments.mini import experiment, protocol, summary, tasks
+from experiments.mini.train import lr_label
 from respo_verl import algorithms
 from respo_verl.tools.runs.machine import describe as describe_machine
 from respo_verl.tools.runs.options import reuse_list, seed_list
@@ -303,7 +304,9 @@ def _run_full(session: _Session) -> tuple[list, dict[str, list], str]:
     chosen = rates.line() + f"\n\nThe runs at the common rate, N = {protocol.GRID_REUSE}, pooled over their seeds:\n\n"
     chosen += "\n".join(f"- {a}: {pooled[(a, rates.common)].line()}" for a in args.algos if (a, rates.common) in pooled)
     views = {
-        f"n{protocol.GRID_REUSE}_lr{lr:.0e}": [r for r, c in records if c.lr == lr and c.reuse == protocol.GRID_REUSE]
+        f"n{protocol.GRID_REUSE}_lr{lr_label(lr)}": [
+            r for r, c in records if c.lr == lr and c.reuse == protocol.GRID_REUSE
+        ]
         for lr in args.lr
     }
     views["best_lr"] = [r for r, c in records if c.reuse == protocol.GRID_REUSE and c.lr == rates.best[c.algorithm]]
@@ -318,7 +321,7 @@ def _run_listed(session: _Session) -> tuple[list, dict[str, list], str]:
     done = session.execute(session.configs(runs))
     records = session.records(done)
     if len(args.lr) > 1:
-        views = {f"lr{lr:.0e}": [r for r, c in records if c.lr == lr] for lr in args.lr}
+        views = {f"lr{lr_label(lr)}": [r for r, c in records if c.lr == lr] for lr in args.lr}
     else:
         views = {"all": [r for r, _ in records]}
     return done, views, ""

@@ -205,8 +205,13 @@ def execute(jobs: list[Job], workers: int, bar, resume: bool = False) -> list[Jo
     """Run ``jobs`` in ``workers`` processes (in this process for one), updating ``bar`` as updates complete.
 
     With ``resume``, a job an earlier invocation finished (:func:`completed`) is not run again: its result is read
-    back from its output folder.
+    back from its output folder. Two jobs that would write the same log are refused before any runs.
     """
+    logs: dict[Path, Job] = {}
+    for job in jobs:
+        other = logs.setdefault(_log_path(job), job)
+        if other is not job:
+            raise ValueError(f"two runs would write the same log {_log_path(job)}: {other.cfg} and {job.cfg}")
     if resume:
         done = [completed(job) for job in jobs]
         for job, result in zip(jobs, done):

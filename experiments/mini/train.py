@@ -42,6 +42,21 @@ GRAD_CLIP = 1.0
 PROJECT_NAME = "respo_verl_mini"  # verl's FileLogger writes <root>/<project_name>/<experiment_name>.jsonl
 
 
+def lr_label(lr: float) -> str:
+    """The learning rate as run names write it: the fewest significant digits that read back as ``lr`` exactly.
+
+    ``4e-04`` for 4e-4 (the names every earlier run has), ``3.5e-04`` for 3.5e-4: two rates never share a label,
+    so their runs never share a log file, and a run already complete is never taken for another rate's.
+    """
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"learning rate must be a positive number, got {lr!r}")
+    for digits in range(17):
+        label = f"{lr:.{digits}e}"
+        if float(label) == lr:
+            return label
+    raise AssertionError(f"{lr!r} has no exponent form that reads back")  # repr(float) round-trips in 17 digits
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One run.
@@ -84,7 +99,8 @@ class RunConfig:
     def name(self) -> str:
         replay = "_r2" if self.routing_replay else ""
         held_out = "_ho" if self.held_out else ""
-        name = f"{self.algorithm}_n{self.reuse}_lr{self.lr:.0e}_w{self.warm_seed}_seed{self.seed}{replay}{held_out}"
+        lr = lr_label(self.lr)
+        name = f"{self.algorithm}_n{self.reuse}_lr{lr}_w{self.warm_seed}_seed{self.seed}{replay}{held_out}"
         return tasks.get(self.task).run_name(name)
 
 

@@ -87,6 +87,39 @@ def test_config_hash_of_runs_made_before_held_out_existed_is_unchanged():
     assert cfg.name == "respo_n32_lr4e-04_w1_seed3"
 
 
+def test_run_names_keep_every_digit_of_the_learning_rate():
+    from experiments.mini.train import lr_label
+    from respo_verl.tools.report.analysis import NAME_PATTERN
+
+    # one-digit rates keep the names of every earlier run; others keep the digits they need, and no more
+    assert [lr_label(lr) for lr in (4e-4, 3e-4, 1e-4, 3.5e-4, 3.25e-4, 0.1 + 0.2)] == [
+        "4e-04",
+        "3e-04",
+        "1e-04",
+        "3.5e-04",
+        "3.25e-04",
+        "3.0000000000000004e-01",
+    ]
+    names = {RunConfig("respo", 32, 0, 192, 128, 8, lr).name for lr in (3e-4, 3.5e-4, 3.25e-4)}
+    assert names == {"respo_n32_lr3e-04_w0_seed0", "respo_n32_lr3.5e-04_w0_seed0", "respo_n32_lr3.25e-04_w0_seed0"}
+    # the report reads the rate back from the name, exactly
+    read = {float(NAME_PATTERN.search(name)["lr"]) for name in names}
+    assert read == {3e-4, 3.5e-4, 3.25e-4}
+    for bad in (0.0, -1e-4, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="learning rate must be a positive number"):
+            lr_label(bad)
+
+
+def test_two_runs_that_would_share_a_log_are_refused_before_any_runs(tmp_path):
+    cfg = RunConfig("respo", 32, 0, 192, 128, 8, 3e-4)
+    warm = model_lib.WarmStart(seed=0, steps=1)
+    job = experiment.Job(cfg, model_lib.ModelSpec(), warm, tmp_path / "cache", tmp_path / "out", 1, False)
+    twin = experiment.Job(**{**job.__dict__, "cfg": RunConfig(**{**cfg.__dict__, "weight_decay": 0.0})})
+    with pytest.raises(ValueError, match=r"two runs would write the same log .*respo_n32_lr3e-04_w0_seed0\.jsonl"):
+        experiment.execute([job, twin], workers=2, bar=None)
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
 def test_a_held_out_run_scores_its_final_policy_on_the_held_out_problems(tmp_path):
     torch.use_deterministic_algorithms(True)
     base, _ = model_lib.warm_start(model_lib.ModelSpec(), model_lib.WarmStart(steps=3, batch_size=16), cache_dir=None)
