@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +69,11 @@ TREND = ("respo", "vespo", "respo_pos")
 # the chain task's thresholds and the high tail's, fixed before any of its runs was scored: at 4e-4 check 2 fails on
 # it (docs/mini.md, "The second task").
 FORK_LR = 3e-4
+# Where the pair grid at FORK_LR left no verdict (VESPO's runs short of checks 1 and 4), the rates between it and
+# 4e-4 probed for one at which both methods of the verdict hold all four checks: regime only, no score
+# (experiments/mini/probes/fork_rate_probe.py; docs/mini.md, "A common rate for the second task, pre-registered").
+FORK_RATE_CANDIDATES = (3.25e-4, 3.5e-4, 3.75e-4)
+FORK_RATE_PROBE_SEEDS = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,26 @@ GRIDS = {
         ),
     )
 }  # fmt: skip
+
+
+def common_regime_rate(pooled: Mapping[tuple[str, float], RegimeCheck], algos: Sequence[str]) -> float | None:
+    """The rate at which every one of ``algos`` holds its regime checks with the most room, or None where no rate
+    has them all hold.
+
+    Args:
+        pooled: (algorithm, lr) -> the regime checks of its runs pooled over their seeds (``regime.RegimeCheck``).
+        algos: the methods that must all be in the regime; each rate must have all of them.
+
+    The room of a rate is the smallest :attr:`~experiments.mini.regime.RegimeCheck.margin` over ``algos``; a rate
+    counts only where every one of them holds every check. Ties go to the lower rate.
+    """
+    rates = sorted({lr for _, lr in pooled})
+    for lr in rates:
+        missing = [a for a in algos if (a, lr) not in pooled]
+        if missing:
+            raise ValueError(f"lr {lr:g}: no pooled regime checks for {', '.join(missing)}")
+    room = {lr: min(pooled[(a, lr)].margin for a in algos) for lr in rates if all(pooled[(a, lr)].holds for a in algos)}
+    return max(room, key=lambda lr: (room[lr], -lr)) if room else None
 
 
 def warm_seed(seed: int) -> int:

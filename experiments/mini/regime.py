@@ -142,6 +142,21 @@ class RegimeCheck:
     def holds(self) -> bool:
         return all(self.checks.values())
 
+    @property
+    def margin(self) -> float:
+        """How far the checks hold, as the smallest relative distance of a statistic from its threshold: positive
+        when every check holds with room, negative when one fails (e.g. +0.1: every statistic is at least 10 % of
+        its threshold on the right side of it). NaN when a statistic is."""
+        room = {
+            Check.STARVED: self.starved_share / MIN_STARVED_SHARE - 1,
+            Check.BAND: 1 - self.tokens_outside_band / MAX_TOKENS_OUTSIDE_BAND,
+            Check.SINGLE_TOKEN: 1 - self.median_single_token_share / MAX_SINGLE_TOKEN_SHARE,
+        }
+        if self.high_tail_share is not None:
+            room[Check.HIGH_TAIL] = self.high_tail_share / MIN_HIGH_TAIL_SHARE - 1
+        values = list(room.values())
+        return math.nan if any(math.isnan(v) for v in values) else min(values)
+
     def line(self) -> str:
         """One line for the console and the docs."""
         verdict = (

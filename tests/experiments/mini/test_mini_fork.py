@@ -178,3 +178,55 @@ def test_the_second_tasks_comparison_grid(tmp_path):
     assert {lr for g in protocol.GRIDS.values() if g.name != "pair" for _, _, lr, _ in g.runs()} == {4e-4}
     assert cli.resolve(cli.build_parser().parse_args([])).task == "chain"
     assert cli.main(["--task", "forks", "--out", str(tmp_path)]) == 2
+
+
+def _check(starved, outside, single, tail):
+    from experiments.mini.regime import RegimeCheck
+
+    return RegimeCheck(32, 1000, starved, outside, single, negatives=1000, high_tail_share=tail)
+
+
+def test_regime_margin_is_the_smallest_relative_room_of_the_four_checks():
+    # thresholds: starved >= 15 %, outside < 2 %, single <= 25 %, high tail >= 5 %
+    assert _check(0.18, 0.01, 0.19, 0.062).margin == pytest.approx(0.18 / 0.15 - 1)  # 0.2 < 0.5, 0.24, 0.24
+    assert _check(0.30, 0.019, 0.10, 0.10).margin == pytest.approx(1 - 0.019 / 0.02)  # 0.05
+    assert _check(0.30, 0.01, 0.10, 0.046).margin == pytest.approx(0.046 / 0.05 - 1)  # −0.08: check 4 fails
+    assert not _check(0.30, 0.01, 0.10, 0.046).holds
+    assert _check(0.30, 0.01, 0.10, float("nan")).margin != _check(0.30, 0.01, 0.10, float("nan")).margin  # NaN
+
+
+def test_common_regime_rate_takes_the_most_room_where_both_methods_hold():
+    from experiments.mini import protocol
+
+    pooled = {
+        ("respo", 3.25e-4): _check(0.22, 0.016, 0.17, 0.055),  # room 0.1 (high tail), 0.2 (band)
+        ("vespo", 3.25e-4): _check(0.159, 0.005, 0.16, 0.050),  # room 0.06 (starved), 0 (tail): holds, room 0
+        ("respo", 3.5e-4): _check(0.25, 0.018, 0.18, 0.06),  # room 0.1 (band)
+        ("vespo", 3.5e-4): _check(0.18, 0.01, 0.16, 0.056),  # room 0.12 (tail)
+        ("respo", 3.75e-4): _check(0.27, 0.025, 0.19, 0.07),  # check 2 fails
+        ("vespo", 3.75e-4): _check(0.20, 0.012, 0.16, 0.07),
+    }
+    assert protocol.common_regime_rate(pooled, ["respo", "vespo"]) == 3.5e-4
+    # a rate where one method fails never counts, however much room the other has
+    assert protocol.common_regime_rate({k: v for k, v in pooled.items() if k[1] == 3.75e-4}, ["respo", "vespo"]) is None
+    # equal room: the lower rate
+    tie = {(a, lr): _check(0.18, 0.01, 0.16, 0.06) for a in ("respo", "vespo") for lr in (3.5e-4, 3.25e-4)}
+    assert protocol.common_regime_rate(tie, ["respo", "vespo"]) == 3.25e-4
+    with pytest.raises(ValueError, match=r"lr 0\.00035: no pooled regime checks for vespo"):
+        protocol.common_regime_rate({("respo", 3.5e-4): pooled[("respo", 3.5e-4)]}, ["respo", "vespo"])
+
+
+def test_the_rate_probe_runs_the_pair_grids_own_configurations(tmp_path):
+    """So a grid run into the probe's folder skips the probe's runs: same names, same configuration hashes."""
+    from experiments.mini import cli, experiment, protocol
+    from experiments.mini.probes import fork_rate_probe
+
+    args = cli.resolve(cli.build_parser().parse_args(["--task", "fork", "--grid", "pair", "--out", str(tmp_path)]))
+    grid = {c.name: experiment.config_hash(c) for c in cli._Session(args, []).configs(args.runs)}
+    probe = fork_rate_probe.configs(["respo", "vespo"], [protocol.FORK_LR], [0, 1])
+    assert [c.name for c in probe] == [f"fork_{a}_n32_lr3e-04_w{s}_seed{s}" for s in (0, 1) for a in ("respo", "vespo")]
+    assert {c.name: experiment.config_hash(c) for c in probe}.items() <= grid.items()
+    assert protocol.FORK_RATE_CANDIDATES == (3.25e-4, 3.5e-4, 3.75e-4)
+    names = {c.name for c in fork_rate_probe.configs(["respo"], list(protocol.FORK_RATE_CANDIDATES), [0])}
+    assert names == {"fork_respo_n32_lr3.25e-04_w0_seed0", "fork_respo_n32_lr3.5e-04_w0_seed0",
+                     "fork_respo_n32_lr3.75e-04_w0_seed0"}  # fmt: skip
