@@ -1,11 +1,11 @@
-"""The miniature's tasks, by name: ``chain`` (``task.py``, the default) and ``fork`` (``fork.py``).
+"""The miniature's tasks, by name: ``chain`` (``task.py``, the default), ``fork`` and ``fork_long`` (``fork.py``).
 
-A task is a module with one interface: the special tokens (``PAD``, ``BOS``, ``EOS``), ``VOCAB_SIZE``,
-``PROMPT_LEN``, ``MAX_RESPONSE_LEN``, ``sample_prompts``, ``breaks_grammar``, ``response_lengths``,
-``steps_written``, ``Ending``. What differs between the two is adapted here, in :class:`Task`, and nowhere else:
-whether the verifier and the endings read the prompt (the fork task's right length depends on it), how the warm
-start's answers are made, what of the task enters the base model's recipe key, which endings the run logs, and
-whether the regime checks include the high tail (``regime.py``).
+A task is a module (for the fork tasks, a ``fork.Fork``) with one interface: the special tokens (``PAD``, ``BOS``,
+``EOS``), ``VOCAB_SIZE``, ``PROMPT_LEN``, ``MAX_RESPONSE_LEN``, ``sample_prompts``, ``breaks_grammar``,
+``response_lengths``, ``steps_written``, ``Ending``. What differs between the two is adapted here, in :class:`Task`,
+and nowhere else: whether the verifier and the endings read the prompt (the fork task's right length depends on it),
+how the warm start's answers are made, what of the task enters the base model's recipe key, which endings the run
+logs, and whether the regime checks include the high tail (``regime.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the tasks import torch; the CLI checks a task's name before
     from experiments.mini.task import Prompts
 
 DEFAULT = "chain"
-NAMES = ("chain", "fork")
+NAMES = ("chain", "fork", "fork_long")
 
 
 @dataclass(frozen=True)
@@ -81,23 +81,24 @@ def _chain() -> Task:
     )
 
 
-def _fork() -> Task:
+def _fork(name: str) -> Task:
     from experiments.mini import fork
 
+    grammar = {g.name: g for g in (fork.FORK, fork.FORK_LONG)}[name]
     return Task(
-        name="fork",
-        module=fork,
+        name=name,
+        module=grammar,
         ending_metrics=dict(fork.ENDING_METRICS),
         high_tail=True,
-        warm_start_answers=fork.warm_start_answers,
-        recipe=fork.recipe(),
+        warm_start_answers=grammar.warm_start_answers,
+        recipe=grammar.recipe(),
         warm_start_steps=fork.WARM_START_STEPS,
-        _verify=fork.verify,
-        _ending=fork.ending,
+        _verify=grammar.verify,
+        _ending=grammar.ending,
     )
 
 
-_BUILDERS = {"chain": _chain, "fork": _fork}
+_BUILDERS = {"chain": _chain, "fork": lambda: _fork("fork"), "fork_long": lambda: _fork("fork_long")}
 
 
 @functools.cache

@@ -1,14 +1,14 @@
 """A common rate for the second task: the regime of ReSPO's and VESPO's runs at each candidate rate, and no score.
 
-Runs the pair grid's configurations (N = 32, 192 updates, the `fork` task, from the shipped base models) for each
-method × candidate rate × seed, prints each run's regime line and each (method, rate)'s line pooled over its seeds,
-with its margin (``regime.RegimeCheck.margin``), then the rate ``protocol.common_regime_rate`` chooses: the one where
-every method holds the four checks with the most room, or none. It prints no score
-(docs/mini.md, "A common rate for the second task, pre-registered"). The runs are the grid's own (same
-configuration, same names), so a grid run into the same ``--out`` later skips those already complete; a probe run
-again into it skips them too.
+Runs the pair grid's configurations (N = 32, 192 updates, the ``fork`` task or ``--task fork_long``, from the
+shipped base models, else trained and cached) for each method × candidate rate × seed, prints each run's regime
+line and each (method, rate)'s line pooled over its seeds, with its margin (``regime.RegimeCheck.margin``), then the
+rate ``protocol.common_regime_rate`` chooses: the one where every method holds the four checks with the most room,
+or none. It prints no score (docs/mini.md, "A common rate for the second task, pre-registered"). The runs are the
+grid's own (same configuration, same names), so a grid run into the same ``--out`` later skips those already
+complete; a probe run again into it skips them too.
 
-Usage: python experiments/mini/probes/fork_rate_probe.py --out DIR [--lr 3.25e-4,3.5e-4,3.75e-4]
+Usage: python experiments/mini/probes/fork_rate_probe.py --out DIR [--task fork] [--lr 3.25e-4,3.5e-4,3.75e-4]
 [--algos respo,vespo] [--seeds 0,1] [--workers 2] [--cache-dir DIR]
 """
 
@@ -18,7 +18,7 @@ import argparse
 import time
 from pathlib import Path
 
-from experiments.mini import experiment, fork, protocol, regime
+from experiments.mini import experiment, fork, protocol, regime, tasks
 from experiments.mini import model as model_lib
 from experiments.mini.train import RunConfig
 
@@ -33,8 +33,8 @@ class _NoBar:
         pass
 
 
-def configs(algos: list[str], rates: list[float], seeds: list[int]) -> list[RunConfig]:
-    """The pair grid's configuration of each (algorithm, rate, seed), rate-major."""
+def configs(algos: list[str], rates: list[float], seeds: list[int], task: str = fork.NAME) -> list[RunConfig]:
+    """The pair grid's configuration of each (algorithm, rate, seed) on ``task``, rate-major."""
     return [
         RunConfig(
             algo,
@@ -45,7 +45,7 @@ def configs(algos: list[str], rates: list[float], seeds: list[int]) -> list[RunC
             protocol.GROUP_SIZE,
             lr,
             warm_seed=protocol.warm_seed(seed),
-            task=fork.NAME,
+            task=task,
         )
         for lr in rates
         for seed in seeds
@@ -56,6 +56,7 @@ def configs(algos: list[str], rates: list[float], seeds: list[int]) -> list[RunC
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True, help="where the runs' logs go (the grid's --out)")
+    parser.add_argument("--task", choices=[t for t in tasks.NAMES if tasks.get(t).high_tail], default=fork.NAME)
     parser.add_argument("--lr", default=",".join(f"{x:g}" for x in protocol.FORK_RATE_CANDIDATES))
     parser.add_argument("--algos", default=",".join(protocol.VERDICT), help="the methods that must be in the regime")
     parser.add_argument("--seeds", default=",".join(map(str, protocol.FORK_RATE_PROBE_SEEDS)))
@@ -66,11 +67,11 @@ def main() -> None:
     algos = args.algos.split(",")
     seeds = [int(x) for x in args.seeds.split(",")]
     start = time.perf_counter()
-    cfgs = configs(algos, rates, seeds)
+    cfgs = configs(algos, rates, seeds, args.task)
     spec = model_lib.ModelSpec()
     warms = {w: model_lib.WarmStart(seed=w, steps=fork.WARM_START_STEPS) for w in {c.warm_seed for c in cfgs}}
     for w, warm in sorted(warms.items()):
-        _, origin = model_lib.warm_start(spec, warm, cache_dir=args.cache_dir, task_name=fork.NAME)
+        _, origin = model_lib.warm_start(spec, warm, cache_dir=args.cache_dir, task_name=args.task)
         print(f"base model {w}: {origin}", flush=True)
     experiment.preload(algos)
     jobs = [experiment.Job(c, spec, warms[c.warm_seed], args.cache_dir, args.out, 1, True) for c in cfgs]

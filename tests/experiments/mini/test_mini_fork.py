@@ -16,7 +16,7 @@ def _prompts(*digit_rows: tuple[int, int, int]) -> fork.Prompts:
 
 
 def _batch(*rows: list[int]) -> torch.Tensor:
-    out = torch.full((len(rows), fork.MAX_RESPONSE_LEN), PAD)
+    out = torch.full((len(rows), fork.FORK.MAX_RESPONSE_LEN), PAD)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row)
     return out
@@ -26,7 +26,7 @@ def _answer(segments: int, v: int = 0) -> list[int]:
     """``segments`` segments of word v of every step, stopping after the last."""
     out = [THINK]
     for i in range(segments):
-        out += [word(s, v) for s in range(i * fork.SEGMENT_STEPS, (i + 1) * fork.SEGMENT_STEPS)]
+        out += [word(s, v) for s in range(i * fork.FORK.SEGMENT_STEPS, (i + 1) * fork.FORK.SEGMENT_STEPS)]
         out.append(EOS if i == segments - 1 else GO)
     return out
 
@@ -34,8 +34,8 @@ def _answer(segments: int, v: int = 0) -> list[int]:
 def test_the_digit_sum_sets_the_segments_and_the_length():
     digits = torch.tensor([[0, 0, 0], [1, 1, 1], [2, 1, 1], [1, 2, 2], [3, 2, 1], [3, 3, 1], [4, 4, 0], [4, 4, 4]])
     assert fork.segments_needed(digits).tolist() == [2, 2, 3, 3, 4, 4, 5, 5]  # sums 0, 3, 4, 5, 6, 7, 8, 12
-    assert len(_answer(2)) == 63 and len(_answer(5)) == 156 == fork.MAX_RESPONSE_LEN
-    assert fork.fork_position(1) == 31 and _answer(2)[31] == GO and _answer(2)[62] == EOS
+    assert len(_answer(2)) == 63 and len(_answer(5)) == 156 == fork.FORK.MAX_RESPONSE_LEN
+    assert fork.FORK.fork_position(1) == 31 and _answer(2)[31] == GO and _answer(2)[62] == EOS
 
 
 def test_verifier_rewards_the_stop_at_the_prompts_fork_without_a_mistake_only():
@@ -47,8 +47,8 @@ def test_verifier_rewards_the_stop_at_the_prompts_fork_without_a_mistake_only():
     rows = [_answer(2), _answer(3), _answer(5), _answer(3), _answer(2), _answer(5, v=3)]
     response = _batch(*rows, with_mistake, mistake_then_overshoot)
     prompts = _prompts(easy, middle, hard, easy, middle, easy, hard, easy)
-    assert fork.verify(response, prompts).tolist() == [1, 1, 1, -1, -1, -1, -1, -1]
-    assert fork.ending(response, prompts).tolist() == [
+    assert fork.FORK.verify(response, prompts).tolist() == [1, 1, 1, -1, -1, -1, -1, -1]
+    assert fork.FORK.ending(response, prompts).tolist() == [
         Ending.COMPLETE,
         Ending.COMPLETE,
         Ending.COMPLETE,
@@ -58,12 +58,12 @@ def test_verifier_rewards_the_stop_at_the_prompts_fork_without_a_mistake_only():
         Ending.MISTAKE,  # the long wrong mode: as long as the correct answer, one mistake in it
         Ending.MISTAKE,  # a mistake counts before the overshoot
     ]
-    assert fork.stopped_at(response).tolist() == [2, 3, 5, 3, 2, 5, 5, 3]
-    assert fork.response_lengths(response).tolist() == [63, 94, 156, 94, 63, 156, 156, 94]
-    assert fork.steps_written(response).tolist() == [60, 90, 150, 90, 60, 150, 150, 90]
+    assert fork.FORK.stopped_at(response).tolist() == [2, 3, 5, 3, 2, 5, 5, 3]
+    assert fork.FORK.response_lengths(response).tolist() == [63, 94, 156, 94, 63, 156, 156, 94]
+    assert fork.FORK.steps_written(response).tolist() == [60, 90, 150, 90, 60, 150, 150, 90]
     # At step 1's place (position 1): words of every other step are mistakes, of this and other segments alike.
     tokens = torch.tensor([word(1, 0), word(29, 3), word(0, 3), word(30, 0), word(149, 1), GO])
-    assert fork.is_mistake(tokens, 1).tolist() == [True, True, False, True, True, False]
+    assert fork.FORK.is_mistake(tokens, 1).tolist() == [True, True, False, True, True, False]
 
 
 def test_a_word_of_another_segment_goes_on_a_token_out_of_place_ends_the_response_there():
@@ -79,36 +79,36 @@ def test_a_word_of_another_segment_goes_on_a_token_out_of_place_ends_the_respons
     digit_as_word[5] = int(fork.digit(2))
     response = _batch(far_mistake, word_at_a_fork, eos_mid_segment, go_at_the_last_fork, digit_as_word)
     prompts = _prompts((1, 2, 2), (1, 2, 2), (1, 2, 2), (4, 4, 4), (1, 2, 2))
-    assert fork.response_lengths(response).tolist() == [94, 32, 11, 156, 6]
-    assert fork.verify(response, prompts).tolist() == [-1, -1, -1, -1, -1]
-    assert fork.ending(response, prompts).tolist() == [
+    assert fork.FORK.response_lengths(response).tolist() == [94, 32, 11, 156, 6]
+    assert fork.FORK.verify(response, prompts).tolist() == [-1, -1, -1, -1, -1]
+    assert fork.FORK.ending(response, prompts).tolist() == [
         Ending.MISTAKE,  # a mistake, and the answer went on to its stop
         Ending.SLIPPED,
         Ending.OTHER,
         Ending.OTHER,
         Ending.OTHER,
     ]
-    assert fork.steps_written(response).tolist() == [90, 30, 9, 150, 4]
+    assert fork.FORK.steps_written(response).tolist() == [90, 30, 9, 150, 4]
 
 
 def test_breaks_grammar_position_by_position():
     tokens = torch.tensor([THINK, GO, EOS, word(0, 3), word(29, 0), word(30, 1), int(fork.digit(1))])
-    assert fork.breaks_grammar(tokens, 0).tolist() == [False, True, True, True, True, True, True]
+    assert fork.FORK.breaks_grammar(tokens, 0).tolist() == [False, True, True, True, True, True, True]
     # every word at a word's place (step 1's right, the others mistakes), nothing else
-    assert fork.breaks_grammar(tokens, 1).tolist() == [True, True, True, False, False, False, True]
-    assert fork.breaks_grammar(tokens, 31).tolist() == [True, False, False, True, True, True, True]  # a fork
-    assert fork.breaks_grammar(tokens, 32).tolist() == [True, True, True, False, False, False, True]
-    assert fork.breaks_grammar(tokens, 155).tolist() == [True, True, False, True, True, True, True]  # <eos> only
-    assert fork.breaks_grammar(tokens, 156).all()
+    assert fork.FORK.breaks_grammar(tokens, 1).tolist() == [True, True, True, False, False, False, True]
+    assert fork.FORK.breaks_grammar(tokens, 31).tolist() == [True, False, False, True, True, True, True]  # a fork
+    assert fork.FORK.breaks_grammar(tokens, 32).tolist() == [True, True, True, False, False, False, True]
+    assert fork.FORK.breaks_grammar(tokens, 155).tolist() == [True, True, False, True, True, True, True]  # <eos> only
+    assert fork.FORK.breaks_grammar(tokens, 156).all()
 
 
 def test_verify_refuses_narrow_responses_and_mismatched_prompts():
     with pytest.raises(ValueError, match="at least 156 tokens wide"):
-        fork.verify(torch.zeros(1, 10, dtype=torch.long), _prompts((0, 0, 0)))
+        fork.FORK.verify(torch.zeros(1, 10, dtype=torch.long), _prompts((0, 0, 0)))
     with pytest.raises(ValueError, match="2 responses but 1 prompts"):
-        fork.verify(_batch(_answer(2), _answer(2)), _prompts((0, 0, 0)))
+        fork.FORK.verify(_batch(_answer(2), _answer(2)), _prompts((0, 0, 0)))
     with pytest.raises(ValueError, match="1 to 5 segments"):
-        fork.answer(2, 6, torch.Generator())
+        fork.FORK.answer(2, 6, torch.Generator())
 
 
 def test_warm_start_data_err_at_their_rates():
@@ -117,38 +117,38 @@ def test_warm_start_data_err_at_their_rates():
     every answer is grammatical up to its end, a slip being one more mistake to the grammar."""
     generator = torch.Generator().manual_seed(0)
     prompts = fork.sample_prompts(3000, generator)
-    response = _batch(*fork.warm_start_answers(prompts, generator))
+    response = _batch(*fork.FORK.warm_start_answers(prompts, generator))
     needed = fork.segments_needed(prompts.digits)
-    lengths = fork.response_lengths(response)
-    ending = fork.ending(response, prompts)
+    lengths = fork.FORK.response_lengths(response)
+    ending = fork.FORK.ending(response, prompts)
     assert set(ending.unique().tolist()) <= {Ending.COMPLETE, Ending.MISTAKE, Ending.OVERSHOT}
     # The fork where the answer should stop, among the answers that reach it.
     rows = torch.arange(len(needed))
-    reached = (needed < fork.N_SEGMENTS) & (lengths > fork.fork_position(needed))
-    went_on = response[rows, fork.fork_position(needed).clamp(max=fork.MAX_RESPONSE_LEN - 1)] == GO
+    reached = (needed < fork.N_SEGMENTS) & (lengths > fork.FORK.fork_position(needed))
+    went_on = response[rows, fork.FORK.fork_position(needed).clamp(max=fork.FORK.MAX_RESPONSE_LEN - 1)] == GO
     assert abs(float(went_on[reached].float().mean()) - fork.OVERSHOOT_SHARE) < 0.03
     assert not bool(went_on[needed == fork.N_SEGMENTS].any())
     # Per step: mistakes among the words written, slips among the steps reached. A cut-off answer ends at the
     # padding after its slip, which the grammar breaks; the slip is its last word, and a mistake.
     cut_off = response[rows, lengths - 1] == PAD
     assert bool((ending[cut_off] == Ending.MISTAKE).all())
-    inside = torch.arange(fork.MAX_RESPONSE_LEN).unsqueeze(0) < lengths.unsqueeze(1)
+    inside = torch.arange(fork.FORK.MAX_RESPONSE_LEN).unsqueeze(0) < lengths.unsqueeze(1)
     slips = int(cut_off.sum())
-    mistakes = int((fork.is_mistake(response, torch.arange(fork.MAX_RESPONSE_LEN)) & inside).sum()) - slips
-    steps = int(fork.steps_written(response).sum())
+    mistakes = int((fork.FORK.is_mistake(response, torch.arange(fork.FORK.MAX_RESPONSE_LEN)) & inside).sum()) - slips
+    steps = int(fork.FORK.steps_written(response).sum())
     assert abs(mistakes / steps - fork.MISTAKE_HAZARD) < 0.0008, mistakes / steps
     assert abs(slips / steps - fork.SLIP_HAZARD) < 0.0006, slips / steps
     # Answers that go on run to the last segment; the ones with a mistake are as long as the correct ones.
-    assert bool((lengths[(ending == Ending.OVERSHOT) & (fork.stopped_at(response) > 0)] == 156).all())
-    correct = fork.verify(response, prompts) > 0
+    assert bool((lengths[(ending == Ending.OVERSHOT) & (fork.FORK.stopped_at(response) > 0)] == 156).all())
+    correct = fork.FORK.verify(response, prompts) > 0
     assert abs(float(lengths[ending == Ending.MISTAKE].float().mean() / lengths[correct].float().mean()) - 1) < 0.15
 
 
 def test_registry_selects_the_task_and_names_its_runs():
-    assert tasks.NAMES == ("chain", "fork") and tasks.DEFAULT == "chain"
-    assert tasks.get("fork").module is fork and tasks.get("fork").high_tail
+    assert tasks.NAMES == ("chain", "fork", "fork_long") and tasks.DEFAULT == "chain"
+    assert tasks.get("fork").module is fork.FORK and tasks.get("fork").high_tail
     assert not tasks.get("chain").high_tail
-    with pytest.raises(ValueError, match="unknown task 'forks'; the tasks are chain, fork"):
+    with pytest.raises(ValueError, match="unknown task 'forks'; the tasks are chain, fork, fork_long"):
         tasks.get("forks")
     chain_run = RunConfig("respo", 32, 0, 192, 128, lr=4e-4)
     assert chain_run.name == "respo_n32_lr4e-04_w0_seed0"  # the chain task's names are unchanged
@@ -161,8 +161,8 @@ def test_the_tasks_have_their_own_base_models():
     assert model.recipe_key(spec, warm) == "6c5df195f4c7753f"
     assert model.recipe_key(spec, warm, "fork") != model.recipe_key(spec, warm)
     net = model.build_model(spec, 0, "fork")
-    assert net.config.vocab_size == fork.VOCAB_SIZE
-    assert net.config.max_position_embeddings == fork.PROMPT_LEN + fork.MAX_RESPONSE_LEN
+    assert net.config.vocab_size == fork.FORK.VOCAB_SIZE
+    assert net.config.max_position_embeddings == fork.PROMPT_LEN + fork.FORK.MAX_RESPONSE_LEN
 
 
 def test_the_second_tasks_comparison_grid(tmp_path):
@@ -230,3 +230,35 @@ def test_the_rate_probe_runs_the_pair_grids_own_configurations(tmp_path):
     names = {c.name for c in fork_rate_probe.configs(["respo"], list(protocol.FORK_RATE_CANDIDATES), [0])}
     assert names == {"fork_respo_n32_lr3.25e-04_w0_seed0", "fork_respo_n32_lr3.5e-04_w0_seed0",
                      "fork_respo_n32_lr3.75e-04_w0_seed0"}  # fmt: skip
+
+
+def test_the_long_fork_task_is_the_fork_task_with_40_words_per_segment():
+    long = fork.FORK_LONG
+    assert (long.SEGMENT_STEPS, long.SEGMENT_LEN, long.MAX_RESPONSE_LEN) == (40, 41, 206)
+    assert long.VOCAB_SIZE == fork.WORD_BASE + 5 * 40 * fork.WORDS_PER_STEP
+    generator = torch.Generator().manual_seed(0)
+    right = long.answer(2, 2, generator)
+    assert len(right) == 83 and right[41] == GO and right[82] == EOS
+    full = long.answer(5, 5, generator)
+    mistaken = list(full)
+    mistaken[long.position_of_step(45)] = word(44, 0)  # step 45's place (the 2nd segment's 6th), step 44's word
+    response = torch.full((3, long.MAX_RESPONSE_LEN), PAD)
+    for i, row in enumerate((right, full, mistaken)):
+        response[i, : len(row)] = torch.tensor(row)
+    prompts = _prompts((0, 0, 0), (4, 4, 4), (4, 4, 4))
+    assert long.verify(response, prompts).tolist() == [1, 1, -1]
+    assert long.ending(response, prompts).tolist() == [Ending.COMPLETE, Ending.COMPLETE, Ending.MISTAKE]
+    assert long.steps_written(response).tolist() == [80, 200, 200]
+    # the fork after 40 words, not 30: at S = 30 the 31st position is a fork, here a word
+    assert not bool(long.breaks_grammar(torch.tensor([word(30, 1)]), 31)) and fork.FORK.breaks_grammar(
+        torch.tensor([word(30, 1)]), 31
+    )
+    # its own task, base models and run names; the fork task's recipe is unchanged
+    spec, warm = model.ModelSpec(), model.WarmStart(steps=fork.WARM_START_STEPS)
+    assert tasks.get("fork_long").module is long and tasks.get("fork_long").high_tail
+    assert model.recipe_key(spec, warm, "fork") == "0f0e897a6ddd7cf8"  # the shipped base model of warm seed 0
+    assert model.recipe_key(spec, warm, "fork_long") not in {model.recipe_key(spec, warm, t) for t in ("chain", "fork")}
+    cfg = RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task="fork_long")
+    assert cfg.name == "fork_long_respo_n32_lr3e-04_w0_seed0"
+    with pytest.raises(ValueError, match="a segment needs at least 2 words"):
+        fork.Fork("tiny", 1)

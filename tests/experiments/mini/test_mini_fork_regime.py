@@ -58,7 +58,7 @@ def test_the_fork_task_ships_its_base_models():
             f"warm seed {w}: {path} is missing (`python -m experiments.mini --task fork --train-base`)"
         )
         net, origin = model_lib.warm_start(spec, warm, cache_dir=None, task_name="fork")
-        assert origin.startswith("shipped") and net.config.vocab_size == fork.VOCAB_SIZE, origin
+        assert origin.startswith("shipped") and net.config.vocab_size == fork.FORK.VOCAB_SIZE, origin
 
 
 def _run(tmp_path, reuse: int, updates: int, lr: float = FORK_LR):
