@@ -47,6 +47,7 @@ def main() -> None:
             "respo",
             reuse=regime.REGIME_REUSE,
             seed=args.warm_seed,
+            warm_seed=args.warm_seed,
             optimizer_steps=args.updates,
             rollout_prompts=protocol.MINIBATCH_PROMPTS * regime.REGIME_REUSE,
             group_size=protocol.GROUP_SIZE,
