@@ -1,6 +1,7 @@
 """The miniature's second task, ``fork``: know when to stop, and make no mistake on the way. Both of the paper's
-tails exist on it. :class:`Fork` is the task for a number of words per segment: :data:`FORK` (30, the task
-``fork``) and :data:`FORK_LONG` (40, the task ``fork_long``); everything else is the same.
+tails exist on it. :class:`Fork` is the task for a number of words per segment and a share of overshooting answers in
+the warm start's data: :data:`FORK` (30 and 0.1, the task ``fork``), :data:`FORK_LONG` (40 and 0.1, the task
+``fork_long``) and :data:`FORK_STOP` (30 and 0.7, the task ``fork_stop``); everything else is the same.
 
 Prompt: the chain task's ``<bos> d_1 d_2 d_3 =`` (``task.py``). Its digit sum sets how many segments the answer
 needs, :func:`segments_needed`: from 2 for the easiest prompts to :data:`N_SEGMENTS` for the hardest. A response is
@@ -156,13 +157,16 @@ class Fork:
     problem_digits = staticmethod(problem_digits)
     held_out_problems = staticmethod(held_out_problems)
 
-    def __init__(self, name: str, segment_steps: int) -> None:
+    def __init__(self, name: str, segment_steps: int, overshoot_share: float = OVERSHOOT_SHARE) -> None:
         if segment_steps < 2:
             raise ValueError(
                 f"a segment needs at least 2 words (a mistake is a word of another step), got {segment_steps}"
             )
+        if not 0.0 <= overshoot_share < 1.0:
+            raise ValueError(f"overshoot_share is a probability below 1, got {overshoot_share}")
         self.name = name
         self.SEGMENT_STEPS = segment_steps
+        self.overshoot_share = overshoot_share
         self.N_STEPS = N_SEGMENTS * segment_steps
         self.SEGMENT_LEN = segment_steps + 1  # its words and the fork after them
         self.MAX_RESPONSE_LEN = 1 + N_SEGMENTS * self.SEGMENT_LEN  # ":", then every segment
@@ -171,7 +175,7 @@ class Fork:
         self._last_fork = self.fork_position(N_SEGMENTS)
 
     def __repr__(self) -> str:
-        return f"Fork({self.name!r}, segment_steps={self.SEGMENT_STEPS})"
+        return f"Fork({self.name!r}, segment_steps={self.SEGMENT_STEPS}, overshoot_share={self.overshoot_share})"
 
     def fork_position(self, segment: int | torch.Tensor) -> int | torch.Tensor:
         """Response position (0-based) of the fork after segment ``segment`` (1-based)."""
@@ -306,12 +310,12 @@ class Fork:
 
     def warm_start_answer(self, needed: int, generator: torch.Generator) -> list[int]:
         """One answer of the warm start's data for a prompt that needs ``needed`` segments: it goes on to the last
-        segment with probability :data:`OVERSHOOT_SHARE` (where there is one), else stops right; at each step it
+        segment with probability ``overshoot_share`` (where there is one), else stops right; at each step it
         makes a mistake with probability :data:`MISTAKE_HAZARD` (a uniform word of another step of the segment) and
         goes on, and it slips with probability :data:`SLIP_HAZARD` (a uniform word of a step of another segment,
         where the answer is cut off: the data have no word after a slip)."""
         seg = self.SEGMENT_STEPS
-        overshoot = needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < OVERSHOOT_SHARE
+        overshoot = needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < self.overshoot_share
         full = self.answer(needed, N_SEGMENTS if overshoot else needed, generator)
         steps = (len(full) - 1) // self.SEGMENT_LEN * seg
         draw = torch.rand(steps, generator=generator)  # (steps,)
@@ -339,7 +343,7 @@ class Fork:
         return {
             "name": self.name,
             "segments": [MIN_SEGMENTS, N_SEGMENTS, self.SEGMENT_STEPS, WORDS_PER_STEP, *SEGMENT_SUMS],
-            "data": [OVERSHOOT_SHARE, MISTAKE_HAZARD, SLIP_HAZARD],
+            "data": [self.overshoot_share, MISTAKE_HAZARD, SLIP_HAZARD],
             "vocab": self.VOCAB_SIZE,
         }
 
@@ -349,4 +353,10 @@ FORK = Fork("fork", 30)
 # The same task with 40 words per segment (206 tokens at most): the starved positives' drift spread over more
 # tokens (docs/mini.md, "The long fork task").
 FORK_LONG = Fork("fork_long", 40)
+# The same task whose base model goes on past the fork where it should stop most of the time: the warm start's data
+# overshoot with probability 0.7 instead of 0.1. RL must learn where to stop, and as it does, every answer that stops
+# right gains weight, the wrong ones with a mistake among them: negatives the policy comes to prefer, the paper's
+# high tail (docs/mini.md, "The stop task").
+FORK_STOP = Fork("fork_stop", 30, overshoot_share=0.7)
+FORKS = (FORK, FORK_LONG, FORK_STOP)
 NAME = FORK.name

@@ -1,4 +1,5 @@
-"""The miniature's tasks, by name: ``chain`` (``task.py``, the default), ``fork`` and ``fork_long`` (``fork.py``).
+"""The miniature's tasks, by name: ``chain`` (``task.py``, the default), ``fork``, ``fork_long`` and ``fork_stop``
+(``fork.py``).
 
 A task is a module (for the fork tasks, a ``fork.Fork``) with one interface: the special tokens (``PAD``, ``BOS``,
 ``EOS``), ``VOCAB_SIZE``, ``PROMPT_LEN``, ``MAX_RESPONSE_LEN``, ``sample_prompts``, ``breaks_grammar``,
@@ -22,7 +23,7 @@ if TYPE_CHECKING:  # the tasks import torch; the CLI checks a task's name before
     from experiments.mini.task import Prompts
 
 DEFAULT = "chain"
-NAMES = ("chain", "fork", "fork_long")
+NAMES = ("chain", "fork", "fork_long", "fork_stop")
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def _chain() -> Task:
 def _fork(name: str) -> Task:
     from experiments.mini import fork
 
-    grammar = {g.name: g for g in (fork.FORK, fork.FORK_LONG)}[name]
+    grammar = {g.name: g for g in fork.FORKS}[name]
     return Task(
         name=name,
         module=grammar,
@@ -98,7 +99,7 @@ def _fork(name: str) -> Task:
     )
 
 
-_BUILDERS = {"chain": _chain, "fork": lambda: _fork("fork"), "fork_long": lambda: _fork("fork_long")}
+_BUILDERS = {"chain": _chain, **{name: functools.partial(_fork, name) for name in NAMES[1:]}}
 
 
 @functools.cache

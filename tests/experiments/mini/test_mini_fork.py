@@ -147,10 +147,10 @@ def test_warm_start_data_err_at_their_rates():
 
 
 def test_registry_selects_the_task_and_names_its_runs():
-    assert tasks.NAMES == ("chain", "fork", "fork_long") and tasks.DEFAULT == "chain"
+    assert tasks.NAMES == ("chain", "fork", "fork_long", "fork_stop") and tasks.DEFAULT == "chain"
     assert tasks.get("fork").module is fork.FORK and tasks.get("fork").high_tail
     assert not tasks.get("chain").high_tail
-    with pytest.raises(ValueError, match="unknown task 'forks'; the tasks are chain, fork, fork_long"):
+    with pytest.raises(ValueError, match="unknown task 'forks'; the tasks are chain, fork, fork_long, fork_stop"):
         tasks.get("forks")
     chain_run = RunConfig("respo", 32, 0, 192, 128, lr=4e-4)
     assert chain_run.name == "respo_n32_lr4e-04_w0_seed0"  # the chain task's names are unchanged
@@ -264,3 +264,40 @@ def test_the_long_fork_task_is_the_fork_task_with_40_words_per_segment():
     assert cfg.name == "fork_long_respo_n32_lr3e-04_w0_seed0"
     with pytest.raises(ValueError, match="a segment needs at least 2 words"):
         fork.Fork("tiny", 1)
+
+
+def test_the_stop_task_is_the_fork_task_whose_data_overshoot_seven_times_in_ten():
+    stop = fork.FORK_STOP
+    assert (stop.SEGMENT_STEPS, stop.MAX_RESPONSE_LEN, stop.VOCAB_SIZE) == (30, 156, fork.FORK.VOCAB_SIZE)
+    assert (stop.overshoot_share, fork.FORK.overshoot_share, fork.FORK_LONG.overshoot_share) == (0.7, 0.1, 0.1)
+    # the same grammar and verifier as the fork task
+    response = _batch(_answer(2), _answer(5), _answer(3))
+    prompts = _prompts((0, 0, 0), (0, 0, 0), (2, 1, 1))
+    assert stop.verify(response, prompts).tolist() == fork.FORK.verify(response, prompts).tolist() == [1, -1, 1]
+    assert stop.ending(response, prompts).tolist() == [Ending.COMPLETE, Ending.OVERSHOT, Ending.COMPLETE]
+    # its data go on at the fork where they should stop at its own share, and then to the last segment
+    generator = torch.Generator().manual_seed(0)
+    prompts = fork.sample_prompts(3000, generator)
+    response = _batch(*stop.warm_start_answers(prompts, generator))
+    needed = fork.segments_needed(prompts.digits)
+    lengths = stop.response_lengths(response)
+    rows = torch.arange(len(needed))
+    reached = (needed < fork.N_SEGMENTS) & (lengths > stop.fork_position(needed))
+    went_on = response[rows, stop.fork_position(needed).clamp(max=stop.MAX_RESPONSE_LEN - 1)] == GO
+    assert abs(float(went_on[reached].float().mean()) - 0.7) < 0.03
+    overshot = (stop.ending(response, prompts) == Ending.OVERSHOT) & (stop.stopped_at(response) > 0)
+    assert bool((lengths[overshot] == 156).all()) and int(overshot.sum()) > 500  # 593: most of the rest have a mistake
+    # its own task, base models and run names; the other fork tasks' recipes (their shipped models) are unchanged
+    spec = model.ModelSpec()
+    keys = {w: model.recipe_key(spec, model.WarmStart(seed=w, steps=fork.WARM_START_STEPS), "fork") for w in (0, 1)}
+    assert keys == {0: "0f0e897a6ddd7cf8", 1: "cef2c5849f8be11d"}
+    warm = model.WarmStart(steps=fork.WARM_START_STEPS)
+    assert model.recipe_key(spec, warm, "fork_long") == "81e24ea2413e5890"
+    assert model.recipe_key(spec, warm, "fork_stop") not in {
+        model.recipe_key(spec, warm, t) for t in ("chain", "fork", "fork_long")
+    }
+    assert tasks.get("fork_stop").module is stop and tasks.get("fork_stop").high_tail
+    cfg = RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task="fork_stop")
+    assert cfg.name == "fork_stop_respo_n32_lr3e-04_w0_seed0"
+    with pytest.raises(ValueError, match=r"overshoot_share is a probability below 1, got 1\.0"):
+        fork.Fork("always", 30, overshoot_share=1.0)
