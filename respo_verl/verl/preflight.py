@@ -18,6 +18,13 @@ from respo_verl.verl.requirements import Requirement
 
 # Long enough for a cold worker process to import torch and verl on a busy node.
 PREFLIGHT_TIMEOUT_S = 300.0
+# The probe asks Ray for no GPU, and Ray releases before the 2026 change of RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO's
+# default (verl allows ray>=2.41) set CUDA_VISIBLE_DEVICES="" in such a task: every node would show 0 GPUs. The probe
+# keeps the node's own CUDA_VISIBLE_DEVICES (the one the raylet started with, which the GPU workers' ids index):
+# the first variable works on every Ray release verl allows, the second on the releases that have it.
+PROBE_RUNTIME_ENV = {
+    "env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+}
 
 
 def _probe(requirements: tuple[Requirement, ...] = ()) -> dict:
@@ -66,9 +73,10 @@ def check_ray_nodes(
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     shipped = tuple(requirements)
     refs = [
-        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False)).remote(
-            shipped
-        )
+        probe.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False),
+            runtime_env=PROBE_RUNTIME_ENV,
+        ).remote(shipped)
         for n in nodes
     ]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

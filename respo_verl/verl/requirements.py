@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,14 +218,17 @@ def _gpu_error(req: Requirement) -> str | None:
         import torch
     except Exception as exc:
         return f"torch does not import ({type(exc).__name__}: {exc})".splitlines()[0]
+    # A node restricted to fewer devices says so: the count below is of the devices this variable leaves visible.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    restricted = "" if visible is None else f" with CUDA_VISIBLE_DEVICES={visible!r}"
     try:
         if not torch.cuda.is_available():
-            return f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
+            return f"torch {torch.__version__} sees no CUDA device{restricted} (torch.cuda.is_available() is False)"
         count = torch.cuda.device_count()
     except Exception as exc:
         return f"CUDA does not initialise ({type(exc).__name__}: {exc})".splitlines()[0]
     if count < req.gpus:
-        return f"torch sees {count} CUDA GPU(s), fewer than {req.gpus}"
+        return f"torch sees {count} CUDA GPU(s){restricted}, fewer than {req.gpus}"
     return None
 
 

@@ -185,9 +185,32 @@ try:
     result = {"passed": True, "nodes": nodes}
 except RuntimeError as exc:
     result = {"passed": False, "message": str(exc), "nodes": nodes}
+
+
+@ray.remote(num_cpus=0)
+def visible_devices():
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+result["plain_task_sees"] = ray.get(visible_devices.remote())  # a task that asks for no GPU, as the probe does
 ray.shutdown()
 print("@RESULT@" + json.dumps(result))
 """
+
+
+def _ray_preflight(reqs, tmp_path: Path, **env_vars: str) -> dict:
+    """Runs :data:`RAY_DRIVER` with ``reqs`` in a fresh interpreter whose environment adds ``env_vars``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    env.update(RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1", TORCH_COMPILE_DISABLE="1", **env_vars)
+    temp_dir = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # Ray's socket paths must stay short
+    args = [json.dumps([asdict(r) for r in reqs]), temp_dir]
+    proc = subprocess.run(
+        [sys.executable, "-c", RAY_DRIVER, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.rsplit("@RESULT@", 1)[1])
 
 
 @pytest.mark.slow
@@ -196,15 +219,7 @@ def test_the_ray_preflight_names_the_node_the_package_and_the_key(tmp_path):
     shadow.mkdir()
     (shadow / "deep_ep.py").write_text('raise ImportError("no DeepEP on this node (test shadow)")\n')
     reqs = [r for r in _requirements() if r.module in ("deep_ep", "megatron.core")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-    env.update(PYTHONPATH=str(shadow), RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1", TORCH_COMPILE_DISABLE="1")
-    temp_dir = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # Ray's socket paths must stay short
-    args = [json.dumps([asdict(r) for r in reqs]), temp_dir]
-    proc = subprocess.run(
-        [sys.executable, "-c", RAY_DRIVER, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.rsplit("@RESULT@", 1)[1])
+    result = _ray_preflight(reqs, tmp_path, PYTHONPATH=str(shadow))
     assert not result["passed"]
     first, *lines = result["message"].splitlines()
     assert first.startswith("respo-verl preflight failed on 1 node(s)")
@@ -213,6 +228,21 @@ def test_the_ray_preflight_names_the_node_the_package_and_the_key(tmp_path):
     assert line.startswith(f"node {node} (")
     assert "DeepEP (import deep_ep): import fails (ImportError: no DeepEP on this node (test shadow))" in line
     assert line.endswith(f"needed by {TF}.moe_token_dispatcher_type=flex (moe_flex_dispatcher_backend=deepep)")
+
+
+@pytest.mark.slow
+def test_the_ray_preflight_counts_the_gpus_the_node_shows_not_the_none_ray_gives_a_task_without_gpus(tmp_path):
+    """Ray releases before 2026 set CUDA_VISIBLE_DEVICES="" in a task that asks for no GPU, which is how the probe
+    runs, so every node would have shown 0 GPUs; RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1 brings that behaviour back
+    on the Ray here. The probe keeps the node's variable ("3" here; this machine has no GPU, so the check still
+    fails, and names it)."""
+    (gpu,) = [r for r in _requirements() if r.gpus]
+    result = _ray_preflight([gpu], tmp_path, RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="1", CUDA_VISIBLE_DEVICES="3")
+    assert result["plain_task_sees"] == ""  # the hazard, on this Ray
+    assert not result["passed"]
+    (line,) = result["message"].splitlines()[1:]
+    assert "sees no CUDA device with CUDA_VISIBLE_DEVICES='3' (torch.cuda.is_available() is False)" in line, line
+    assert line.endswith("needed by trainer.device=cuda, trainer.n_gpus_per_node=8")
 
 
 def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_preflight(monkeypatch, capsys):
