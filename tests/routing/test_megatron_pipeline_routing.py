@@ -1,4 +1,4 @@
-"""Pipeline-parallel layer bookkeeping of the route-drift diagnostics: two gloo ranks, PP = 2, TP = 1, on CPU.
+"""Pipeline-parallel bookkeeping of the route-drift diagnostics: two gloo ranks, PP = 2 (and VPP = 2), TP = 1, CPU.
 
 Two processes (``torch.multiprocessing`` spawn, ``env://`` rendezvous on 127.0.0.1 and a free port) form a gloo world
 of size 2; each runs megatron-core 0.16.1's ``initialize_model_parallel(1, 2)`` under the CPU patch of
@@ -25,7 +25,17 @@ Each rank checks:
    over both ranks: both ranks hold the same metrics, with every global layer present, layer 3 at m/n, and
    ``any_layer_flip_frac`` per stage.
 
-The whole test runs under a hard deadline (``TIMEOUT_S``); a hung collective kills both ranks and fails the test.
+A second test runs megatron's interleaved 1F1B schedule (PP = 2 x VPP = 2, 8 layers in 4 chunks of 2) forward and
+backward over 4 micro-batches of unequal length (12, 10, 12, 8 tokens; ``variable_seq_lengths``, as verl sets it
+under PP, so each activation's shape travels ahead of it): each micro-batch's routes are recorded, then replayed
+with replay data set per chunk and micro-batch, a different number of tokens flipped in the last layer per
+micro-batch. Each stage counts every micro-batch once, whatever the interleaving of its chunks: replayed tokens and
+flip fractions are the exact sums over the micro-batches. The chunks take the point-to-point settings verl 0.9.1 and
+mbridge give a model with VPP > 1 (``overlap_p2p_comm=True``, ``batch_p2p_comm=False``): with
+``overlap_p2p_comm=False`` megatron-core 0.16.1 exchanges activation and gradient shapes in one call at PP = 2 and
+crosses them (NVIDIA/Megatron-LM#5100; on gloo the tensor that follows no longer fits its buffer).
+
+Each test runs under a hard deadline (``TIMEOUT_S``); a hung collective kills both ranks and fails the test.
 """
 
 from __future__ import annotations
@@ -363,18 +373,22 @@ def _replay_batch(input_ids):
 
 VPP = 2
 VPP_LAYERS = 8  # PP x VPP chunks of 2 layers: stage 0 holds layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7
-VPP_MICRO_BATCHES = 4
+VPP_SEQ_LENS = (6, 5, 6, 4)  # per micro-batch, each its own tokens: BATCH x these = 12, 10, 12, 8 routed tokens
+VPP_MICRO_BATCHES = len(VPP_SEQ_LENS)
 VPP_DRIFT_LAYER = VPP_LAYERS - 1  # chunk 1 of stage 1: the last layer, so no other layer's inputs change
 VPP_FLIPS = (1, 3, 0, 5)  # tokens flipped in the drift layer, per micro-batch: every micro-batch differs
 
 
 @pytest.mark.slow
 def test_virtual_pipeline_stages_count_each_micro_batch_once_in_the_interleaved_order():
-    """PP = 2 x VPP = 2 under megatron's interleaved 1F1B schedule, forward and backward, with replay data set per
-    chunk and micro-batch as verl's ``forward_step`` sets it. Each chunk's routers see micro-batches 0, 1, 2, 3 in
-    that order, interleaved with the other chunk's (chunk 1 of micro-batch 0 runs after chunk 0 of micro-batch 1).
-    Every micro-batch flips a different number of tokens in the last layer: the stage that holds it reports each
-    micro-batch once (replayed tokens 4 x T) and the exact share of tokens flipped in any layer."""
+    """PP = 2 x VPP = 2 under megatron's interleaved 1F1B schedule, forward and backward, over micro-batches of
+    unequal length (12, 10, 12, 8 tokens, with ``variable_seq_lengths`` as verl sets it under PP). Each micro-batch's
+    routes are recorded in a forward-only pass and replayed with the replay data set per chunk and micro-batch, as
+    verl's ``forward_step`` sets it. Each chunk's routers see micro-batches 0, 1, 2, 3 in that order, interleaved
+    with the other chunk's (chunk 1 of micro-batch 0 runs after chunk 0 of micro-batch 1). Every micro-batch flips a
+    different number of tokens in the last layer: the stage that holds it counts every micro-batch once (replayed
+    tokens: the sum of the four sizes) and reports exactly the flips summed over the tokens summed, in that layer and
+    in ``any_layer_flip_frac``, and 0 in every other layer; the other stage reports zero drift."""
     import torch.multiprocessing as mp
 
     port = _free_port()
@@ -422,7 +436,9 @@ def _check_vpp_rank(rank: int) -> None:
                 virtual_pipeline_model_parallel_size=VPP,
                 microbatch_group_size_per_vp_stage=PP,
                 pipeline_dtype=torch.float32,
+                variable_seq_lengths=True,
                 batch_p2p_comm=False,
+                overlap_p2p_comm=True,
                 gpt_kwargs=dict(
                     _GPT_KWARGS,
                     pre_process=first and vp_stage == 0,
@@ -438,72 +454,90 @@ def _check_vpp_rank(rank: int) -> None:
     }
     for vp_stage, chunk in enumerate(chunks):
         assert sorted(find_replay_routers([chunk])) == expected[vp_stage], vp_stage
+    layers = [layer for chunk_layers in expected.values() for layer in chunk_layers]
     # The order this test relies on: megatron interleaves the chunks' micro-batches.
     table = get_schedule_table(VPP_MICRO_BATCHES, VPP, PP)
     assert table[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
-    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    # Record: the routes of every layer of this stage (every micro-batch holds the same tokens).
+    micro_batches = [
+        torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(m))
+        for m, seq in enumerate(VPP_SEQ_LENS)
+    ]
+    sizes = [BATCH * seq for seq in VPP_SEQ_LENS]  # tokens each router routes per micro-batch
+    # Record: each micro-batch's routes in every layer of this stage, one (tokens, top-k) tensor per layer.
+    routes: dict[int, dict[int, torch.Tensor]] = {m: {} for m in range(VPP_MICRO_BATCHES)}
     for chunk in chunks:
         _set_action(chunk, "RECORD")
-    _run_vpp_schedule(chunks, input_ids, forward_only=True, routes=None)
-    routes = {layer: idx for chunk in chunks for layer, idx in _recorded(chunk).items()}
+    _run_vpp_schedule(chunks, micro_batches, routes, replay=False, forward_only=True)
     for chunk in chunks:
         _clear(chunk)
+    shapes = {m: {layer: tuple(idx.shape) for layer, idx in by_layer.items()} for m, by_layer in routes.items()}
+    assert shapes == {m: dict.fromkeys(layers, (size, TOP_K)) for m, size in enumerate(sizes)}, shapes
 
     monitor = RouteDriftMonitor.attach(chunks)
-    order = []
+    order: list[tuple[int, int]] = []
     with monitor.step():
-        _run_vpp_schedule(chunks, input_ids, forward_only=False, routes=routes, order=order)
+        _run_vpp_schedule(chunks, micro_batches, routes, replay=True, forward_only=False, order=order)
     for chunk in chunks:
         _clear(chunk)
     # The forwards really ran interleaved: chunk 1 of micro-batch 0 after chunk 0 of micro-batch 1.
     assert order.index((0, 1)) > order.index((1, 0)), order
     metrics = monitor.metrics()
     monitor.remove()
-    holds_drift = VPP_DRIFT_LAYER in expected[VPP - 1]
-    flipped = sum(VPP_FLIPS) if holds_drift else 0
-    assert metrics["actor/routing/replayed_tokens"] == VPP_MICRO_BATCHES * TOKENS, metrics
-    assert metrics["actor/routing/any_layer_flip_frac"] == flipped / (VPP_MICRO_BATCHES * TOKENS), metrics
-    for layer in (layer for layers in expected.values() for layer in layers):
-        flip = flipped / (VPP_MICRO_BATCHES * TOKENS) if layer == VPP_DRIFT_LAYER else 0.0
+    tokens = sum(sizes)
+    flipped = sum(VPP_FLIPS) if VPP_DRIFT_LAYER in layers else 0
+    assert metrics["actor/routing/replayed_tokens"] == tokens, metrics
+    assert metrics["actor/routing/any_layer_flip_frac"] == flipped / tokens, metrics
+    for layer in layers:
+        flip = flipped / tokens if layer == VPP_DRIFT_LAYER else 0.0
         assert metrics[f"actor/routing/flip_frac/layer_{layer}"] == flip, (layer, metrics)
 
 
-def _run_vpp_schedule(chunks, input_ids, forward_only: bool, routes, order: list | None = None) -> list:
-    """Megatron's interleaved schedule over ``VPP_MICRO_BATCHES`` copies of ``input_ids``; with ``routes``, each
-    chunk's forward step sets its routers' replay data for its micro-batch (as verl's ``forward_step`` does), the
-    drift layer's with ``VPP_FLIPS[m]`` tokens flipped."""
+def _run_vpp_schedule(
+    chunks,
+    micro_batches: list[torch.Tensor],
+    routes: dict[int, dict[int, torch.Tensor]],
+    replay: bool,
+    forward_only: bool,
+    order: list[tuple[int, int]] | None = None,
+) -> None:
+    """Megatron's interleaved schedule over ``micro_batches`` (input ids, each of its own length). ``routes`` maps
+    micro-batch -> global layer -> top-k indices: without ``replay``, each chunk's forward step stores there the
+    routes its routers recorded for its micro-batch; with ``replay``, it sets its routers' replay data from there
+    for its micro-batch (as verl's ``forward_step`` does), the drift layer's with ``VPP_FLIPS[m]`` tokens flipped.
+    ``order`` receives (micro-batch, chunk) of every forward, in the order they ran."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from respo_verl.routing.megatron import find_replay_routers
 
     def forward_step(data_iterator, chunk):
-        micro_batch, tokens = next(data_iterator)
+        micro_batch = next(data_iterator)
         vp_stage = chunks.index(chunk)
         if order is not None:
             order.append((micro_batch, vp_stage))
-        if routes is not None:
+        if replay:
             for layer, router in find_replay_routers([chunk]).items():
                 flips = range(VPP_FLIPS[micro_batch]) if layer == VPP_DRIFT_LAYER else range(0)
-                router.router_replay.set_target_indices(_flip(routes[layer], flips))
+                router.router_replay.set_target_indices(_flip(routes[micro_batch][layer], flips))
                 router.router_replay.router_replay_action = RouterReplayAction.REPLAY_FORWARD
-        output = forward(chunk, tokens)
+        output = forward(chunk, micro_batches[micro_batch])
+        if not replay:
+            routes[micro_batch].update(_recorded(chunk))
 
         def loss_func(logits):
             return logits.square().mean(), {"logits": logits.detach()}
 
         return output, loss_func
 
-    iterators = [iter([(m, input_ids) for m in range(VPP_MICRO_BATCHES)]) for _ in chunks]
+    iterators = [iter(range(len(micro_batches))) for _ in chunks]
     with torch.set_grad_enabled(not forward_only):
-        return get_forward_backward_func()(
+        get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators,
             model=chunks,
-            num_microbatches=VPP_MICRO_BATCHES,
-            seq_length=SEQ,
+            num_microbatches=len(micro_batches),
+            seq_length=max(VPP_SEQ_LENS),  # unused: with variable_seq_lengths each stage sends its shape first
             micro_batch_size=BATCH,
             forward_only=forward_only,
         )

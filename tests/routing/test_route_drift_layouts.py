@@ -2,25 +2,27 @@
 and THD packing with its padding rows (TP and CP alignment).
 
 The interleaved order is megatron-core 0.16.1's own ``get_schedule_table``; the packing is verl 0.9.1's own
-``preprocess_thd_engine`` / ``set_router_replay_data`` feeding the routers of a tiny megatron-core GPTModel (gloo world
-of size 1, the package's CPU patch of megatron-core). A world of size 1 has TP = CP = 1, so for the packing alone
-verl's packing module is shown TP = 2 and/or CP = 2 (its ``mpu`` name replaced by a view of megatron's parallel state
-with those sizes, rank 0): the rows it builds are those of CP rank 0 (TP ranks then split them further for sequence
-parallelism, which does not change which rows are padding). The whole-model gloo run of PP x VPP is in
-``test_megatron_pipeline_routing.py``.
+``preprocess_thd_engine`` / ``set_router_replay_data`` (for R3 also ``align_r3_router_replay_data`` and
+``build_r3_replay_mask``) feeding the routers of a tiny megatron-core GPTModel (gloo world of size 1, the package's
+CPU patch of megatron-core). A world of size 1 has TP = CP = 1, so for the packing alone verl's packing module is
+shown TP = 2 and/or CP = 2 (its ``mpu`` name replaced by a view of megatron's parallel state with those sizes, rank
+0): the rows it builds are those of CP rank 0 (TP ranks then split them further for sequence parallelism, which does
+not change which rows are padding). The whole-model gloo run of PP x VPP is in ``test_megatron_pipeline_routing.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
+from typing import NamedTuple
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_moe import TOP_K, VOCAB, megatron_cpu, tiny_gpt_moe, verl_router_replay_patch
+from support.megatron_moe import NUM_EXPERTS, TOP_K, VOCAB, megatron_cpu, tiny_gpt_moe, verl_router_replay_patch
 
 from respo_verl.routing.diagnostics import RouteDriftStats
 from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
@@ -140,6 +142,72 @@ def _pack(rows: list[torch.Tensor]) -> torch.Tensor:
 LENGTHS = (5, 4, 3, 7)  # odd lengths: padding rows under any alignment > 1
 
 
+class _ThdRows(NamedTuple):
+    """This rank's rows of a batch packed by verl's THD packing."""
+
+    ids: torch.Tensor  # (rows,) token ids; padding rows hold token 0
+    valid: torch.Tensor  # (rows,) bool: a real token, not padding
+    owner: torch.Tensor  # (rows,) the sequence each real row belongs to
+    position: torch.Tensor  # (rows,) each real row's position in its sequence
+    attention_mask: torch.Tensor  # (1, 1, rows, rows), True = masked
+
+
+def _thd_rows(sequences: list[torch.Tensor], tp: int, cp: int) -> _ThdRows:
+    """verl's packing of ``sequences`` with TP and CP of these sizes (rank 0), and a CPU attention mask for it."""
+    from verl.models.mcore.util import preprocess_thd_engine
+
+    lengths = [s.shape[0] for s in sequences]
+    with _packing_as(tp, cp):
+        packed_ids, params, _ = preprocess_thd_engine(_nested(sequences), pre_process=True)
+        valid = _pack([torch.ones(n, dtype=torch.long) for n in lengths]).bool()
+        owner = _pack([torch.full((n,), i) for i, n in enumerate(lengths)])
+        position = _pack([torch.arange(n) for n in lengths])
+    ids = packed_ids.reshape(-1)
+    rows = ids.shape[0]
+    assert 0 < int(valid.sum()) < rows, "the layout must produce padding rows"
+    # THD attention on CPU: causal within each sequence's rows of this rank (cu_seqlens_padded / CP), so that, as in
+    # verl's THD forward, no real token sees another sequence or a padding row (which sit after a sequence's tokens).
+    bounds = (params.cu_seqlens_q_padded // cp).tolist()
+    segment = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(itertools.pairwise(bounds))])
+    assert segment.shape[0] == rows
+    causal = torch.triu(torch.ones(rows, rows, dtype=torch.bool), diagonal=1) | (segment[:, None] != segment[None])
+    return _ThdRows(ids, valid, owner, position, causal[None, None])
+
+
+def _forward_rows(model, batch: _ThdRows, action: str) -> None:
+    """One forward of the packed rows with every router's replay action set to ``action``."""
+    routers = find_replay_routers(model)
+    actions = sys.modules[type(routers[min(routers)].router_replay).__module__].RouterReplayAction
+    for router in routers.values():
+        router.router_replay.router_replay_action = actions[action]
+    rows = batch.ids.shape[0]
+    with torch.no_grad():
+        model(batch.ids[None], torch.arange(rows)[None], attention_mask=batch.attention_mask)
+
+
+def _record_rows(model, batch: _ThdRows) -> torch.Tensor:
+    """(rows, layers, k): the routes the routers choose for this rank's rows (RECORD), replay data cleared after."""
+    routers = find_replay_routers(model)
+    _forward_rows(model, batch, "RECORD")
+    recorded = torch.stack([routers[layer].router_replay.recorded_topk_idx for layer in sorted(routers)], dim=1)
+    for router in routers.values():
+        router.router_replay.clear_indices()
+    return recorded
+
+
+def _sequence_routes(batch: _ThdRows, recorded: torch.Tensor, lengths) -> list[torch.Tensor]:
+    """Per-sequence (n, layers, k) routes: ``recorded`` on this rank's real rows. verl's record path returns whole
+    sequences (CP ranks gathered); the rows other CP ranks hold get some valid route here (they are packed into the
+    other ranks' shards)."""
+    layers = recorded.shape[1]
+    routes = [torch.arange(TOP_K).repeat(n, layers, 1) + 1 for n in lengths]
+    for row in torch.nonzero(batch.valid).flatten().tolist():
+        position = int(batch.position[row])
+        if position < routes[int(batch.owner[row])].shape[0]:
+            routes[int(batch.owner[row])][position] = recorded[row]
+    return routes
+
+
 @pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2), (2, 2)])
 def test_r2_through_verl_s_thd_packing_counts_no_padding_row(cpu_world, verl_patch, tp, cp):
     """R2 on unchanged weights: π_old's routes, packed by verl as its engine packs them (each sequence padded to a
@@ -150,42 +218,14 @@ def test_r2_through_verl_s_thd_packing_counts_no_padding_row(cpu_world, verl_pat
     model = tiny_gpt_moe()
     routers = find_replay_routers(model)
     layers = sorted(routers)
-    replay_module = __import__(type(routers[0].router_replay).__module__, fromlist=["RouterReplayAction"])
     generator = torch.Generator().manual_seed(3)
     sequences = [torch.randint(1, VOCAB, (n,), generator=generator) for n in LENGTHS]
-    from verl.models.mcore.util import preprocess_thd_engine
+    batch = _thd_rows(sequences, tp, cp)
+    valid, rows = batch.valid, batch.ids.shape[0]
 
-    with _packing_as(tp, cp):
-        packed_ids, params, _ = preprocess_thd_engine(_nested(sequences), pre_process=True)
-        packed_ids = packed_ids.reshape(-1)  # this rank's rows; padding rows hold token 0
-        valid = _pack([torch.ones(n, dtype=torch.long) for n in LENGTHS]).bool()
-        owner = _pack([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
-        position = _pack([torch.arange(n) for n in LENGTHS])
-    rows = packed_ids.shape[0]
-    assert 0 < int(valid.sum()) < rows, "the layout must produce padding rows"
-    # THD attention on CPU: causal within each sequence's rows of this rank (cu_seqlens_padded / CP), so that, as in
-    # verl's THD forward, no real token sees another sequence or a padding row (which sit after a sequence's tokens).
-    bounds = (params.cu_seqlens_q_padded // cp).tolist()
-    segment = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(itertools.pairwise(bounds))])
-    assert segment.shape[0] == rows
-    causal = torch.triu(torch.ones(rows, rows, dtype=torch.bool), diagonal=1) | (segment[:, None] != segment[None])
-    causal = causal[None, None]  # True = masked
-
-    def run(action: str):
-        for router in routers.values():
-            router.router_replay.router_replay_action = replay_module.RouterReplayAction[action]
-        with torch.no_grad():
-            model(packed_ids[None], torch.arange(rows)[None], attention_mask=causal)
-
-    # π_old's pass records this rank's rows. verl's record path returns whole sequences (CP ranks gathered); the
-    # rows other CP ranks hold get some valid route here (they are packed into the other ranks' shards).
-    run("RECORD")
-    recorded = torch.stack([routers[layer].router_replay.recorded_topk_idx for layer in layers], dim=1)
-    routes = [torch.arange(TOP_K).repeat(n, len(layers), 1) + 1 for n in LENGTHS]  # (n, layers, k)
-    for row in torch.nonzero(valid).flatten().tolist():
-        routes[int(owner[row])][int(position[row])] = recorded[row]
-    for router in routers.values():
-        router.router_replay.clear_indices()
+    # π_old's pass records this rank's rows.
+    recorded = _record_rows(model, batch)
+    routes = _sequence_routes(batch, recorded, LENGTHS)
 
     # The update's pass: verl packs the routes again (padding rows become zeros) and sets them on the routers.
     with RouteDriftMonitor(model) as monitor:
@@ -197,7 +237,7 @@ def test_r2_through_verl_s_thd_packing_counts_no_padding_row(cpu_world, verl_pat
             assert (routers[0].router_replay.target_topk_idx[padding] == 0).all()
             for i, layer in enumerate(layers):
                 assert torch.equal(routers[layer].router_replay.target_topk_idx[valid], recorded[valid, i]), layer
-            run("REPLAY_FORWARD")
+            _forward_rows(model, batch, "REPLAY_FORWARD")
         metrics = monitor.metrics()
     assert metrics["actor/routing/replayed_tokens"] == int(valid.sum())
     assert metrics["actor/routing/flip_frac"] == 0.0
@@ -205,3 +245,98 @@ def test_r2_through_verl_s_thd_packing_counts_no_padding_row(cpu_world, verl_pat
     assert metrics["actor/routing/prob_mass_delta"] <= 0.0
     for layer in layers:
         assert metrics[f"actor/routing/flip_frac/layer_{layer}"] == 0.0
+
+
+# -- THD packing: R3's rollout routes and padding rows ---------------------------------------------------------------
+
+R3_FLIPS = 3  # replayed real tokens whose rollout route (last layer) differs from the router's choice
+
+
+@pytest.mark.parametrize("replay_mask", ["verl_r3", "none"])
+@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2), (2, 2)])
+def test_r3_through_verl_s_thd_packing_counts_the_rollout_s_flips_and_no_padding_row(
+    cpu_world, verl_patch, monkeypatch, tp, cp, replay_mask
+):
+    """R3: the rollout's routes of the real tokens, packed by verl as its engine packs them for R3 (each sequence
+    padded to a multiple of TP·CP·2 with CP, of TP without; padding rows expert 0 repeated k times), replayed into
+    the trainer's forward. The rollout's routes are the router's own choice except for R3_FLIPS replayed tokens in
+    the last layer (one expert swapped), so exactly those flips are counted, in that layer only (the layers before it
+    see unchanged inputs), over exactly the replayed real tokens, and no padding row is counted in any layer.
+
+    ``verl_r3``: as verl's engine in R3 mode: the rollout has no route for a sequence's final token
+    (``align_r3_router_replay_data`` adds a zero placeholder) and ``build_r3_replay_mask`` leaves that row native;
+    the mask is packed like the routes (padding rows False), so the replayed tokens are the real tokens less each
+    sequence's final one. ``none``: the rollout's routes for every token and no replay mask, so every real token is
+    replayed and the monitor's own padding-row test is what keeps the padding rows out."""
+    from verl.utils.megatron.router_replay_utils import (
+        align_r3_router_replay_data,
+        build_r3_replay_mask,
+        set_router_replay_data,
+    )
+
+    model = tiny_gpt_moe()
+    routers = find_replay_routers(model)
+    layers = sorted(routers)
+    last = layers[-1]
+    generator = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(1, VOCAB, (n,), generator=generator) for n in LENGTHS]
+    batch = _thd_rows(sequences, tp, cp)
+    valid, rows = batch.valid, batch.ids.shape[0]
+    padding = ~valid
+
+    # What the trainer's router chooses for this rank's rows; the rollout agrees except on R3_FLIPS tokens.
+    native = _record_rows(model, batch)
+    lengths = [max(n - 1, 0) for n in LENGTHS] if replay_mask == "verl_r3" else list(LENGTHS)
+    final = torch.tensor(LENGTHS)[batch.owner] - 1 == batch.position
+    replayed = valid & ~final if replay_mask == "verl_r3" else valid
+    real_replayed = int(replayed.sum())
+    flipped_rows = torch.nonzero(replayed).flatten()[::2][:R3_FLIPS]
+    assert flipped_rows.numel() == R3_FLIPS
+    rollout = native.clone()
+    for row in flipped_rows.tolist():
+        taken = rollout[row, last].tolist()
+        rollout[row, last, -1] = next(e for e in range(NUM_EXPERTS) if e not in taken)
+    routes = _sequence_routes(batch, rollout, lengths)
+
+    counted: list[tuple[int, torch.Tensor | None]] = []  # (layer, token mask) of every update the monitor makes
+    with RouteDriftMonitor(model) as monitor:
+        update = monitor._stats.update
+
+        def recording_update(layer, replayed_topk_idx, native_topk_idx, probs, token_mask=None):
+            counted.append((layer, None if token_mask is None else token_mask.clone()))
+            return update(layer, replayed_topk_idx, native_topk_idx, probs, token_mask)
+
+        monkeypatch.setattr(monitor._stats, "update", recording_update)
+        with monitor.step():
+            input_ids = _nested(sequences)
+            route_data, mask = _nested(routes), None
+            if replay_mask == "verl_r3":
+                route_data = align_r3_router_replay_data(route_data, input_ids)
+                response_mask = torch.ones(len(LENGTHS), 2, dtype=torch.long)  # the last 2 tokens: the response
+                mask = build_r3_replay_mask(input_ids, response_mask)
+            with _packing_as(tp, cp):
+                set_router_replay_data(route_data, None, model.config, replay_mask=mask, model=[model])
+            target = routers[last].router_replay.target_topk_idx
+            assert target.shape == (rows, TOP_K)
+            assert (target[padding] == 0).all()  # verl's padding rows
+            for i, layer in enumerate(layers):
+                rollout_rows = routers[layer].router_replay.target_topk_idx[replayed]
+                assert torch.equal(rollout_rows, rollout[replayed, i]), layer
+            if replay_mask == "verl_r3":
+                assert torch.equal(routers[last].router_replay.target_replay_mask.bool(), replayed)
+                assert (target[valid & final] == 0).all()  # align_r3_router_replay_data's placeholders
+            _forward_rows(model, batch, "REPLAY_FORWARD")
+        metrics = monitor.metrics()
+
+    assert metrics["actor/routing/replayed_tokens"] == real_replayed
+    assert metrics[f"actor/routing/flip_frac/layer_{last}"] == R3_FLIPS / real_replayed
+    assert metrics[f"actor/routing/overlap/layer_{last}"] == pytest.approx(1 - R3_FLIPS / (real_replayed * TOP_K))
+    for layer in layers[:-1]:
+        assert metrics[f"actor/routing/flip_frac/layer_{layer}"] == 0.0, layer
+        assert metrics[f"actor/routing/overlap/layer_{layer}"] == 1.0, layer
+    assert metrics["actor/routing/any_layer_flip_frac"] == R3_FLIPS / real_replayed
+    assert metrics["actor/routing/flip_frac"] == R3_FLIPS / (real_replayed * len(layers))
+    assert sorted(layer for layer, _ in counted) == layers  # one forward, each layer counted once
+    for layer, token_mask in counted:
+        assert token_mask is not None, layer
+        assert torch.equal(token_mask, replayed), layer  # the replayed real tokens; never a padding row
