@@ -342,6 +342,18 @@ def megatron_moe():
             with monitor.step():
                 replay(model, routers, ids, flipped, grad=False)
             drift = monitor.metrics()
+            # An expert index out of range on the last layer: a ValueError naming that layer, on the device too.
+            bad = {layer: idx.clone() for layer, idx in routes.items()}
+            bad[last][0, 0] = NUM_EXPERTS
+            try:
+                with monitor.step():
+                    replay(model, routers, ids, bad, grad=False)
+                refused = "no error"
+            except ValueError as exc:
+                refused = str(exc)
+            for router in routers.values():
+                router.router_replay.clear_indices()
+            set_action(routers, None)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         grads_finite = all(torch.isfinite(g).all() for g in grads)
         router_grad = min(r.weight.grad.norm().item() for r in routers.values())
@@ -349,14 +361,15 @@ def megatron_moe():
         ok = (diff <= 1e-5 and same["actor/routing/flip_frac"] == 0
               and same["actor/routing/replayed_tokens"] == tokens and grads_finite and router_grad > 0
               and abs(drift["actor/routing/any_layer_flip_frac"] - 1 / tokens) < 1e-12
-              and abs(drift[f"actor/routing/flip_frac/layer_{last}"] - 1 / tokens) < 1e-12)
+              and abs(drift[f"actor/routing/flip_frac/layer_{last}"] - 1 / tokens) < 1e-12
+              and refused.startswith(f"routing replay: layer {last}: ") and f"outside [0, {NUM_EXPERTS})" in refused)
         return ("PASS" if ok else "FAIL"), (
             f"megatron-core {megatron.core.__version__}, {NUM_LAYERS} MoE layers x {NUM_EXPERTS} experts, "
             f"{tokens} tokens: record->replay max |dlogits| {diff:.1e}, flip_frac {same['actor/routing/flip_frac']}, "
             f"replayed {same['actor/routing/replayed_tokens']:.0f}, {len(grads)} grads finite={grads_finite}, "
             f"min router grad norm {router_grad:.2e}; one forced flip -> any_layer_flip_frac "
             f"{drift['actor/routing/any_layer_flip_frac']:.4f} (expect {1 / tokens:.4f}); "
-            f"replay fwd+bwd {step_ms:.1f} ms")
+            f"bad expert index -> {refused!r}; replay fwd+bwd {step_ms:.1f} ms")
 
 
 deep_ep = importlib.util.find_spec("deep_ep") is not None

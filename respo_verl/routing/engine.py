@@ -17,7 +17,7 @@ method and nothing else. Otherwise it attaches a :class:`respo_verl.routing.mega
 ``engine.module`` (its own model chunks, walked for their routers; re-attached if the engine rebuilds its model)
 and runs verl's method inside ``monitor.step()``. Bad replay data raises there, naming the layer; the batch's
 ``routed_experts`` are checked for expert indices out of range on the host first (one reduction and one host copy
-per call), so that on CUDA a bad index is a named error rather than a device-side assert.
+per call), which names the layer on CUDA too and spares the routers their own check (a host sync per router).
 
 Where the numbers go. verl's trainer prefixes ``update_actor`` metrics with ``actor/`` and, of ``compute_log_prob``'s
 metrics, keeps only ``mfu``. So:
@@ -159,6 +159,8 @@ class _EngineRouteDrift:
         self.module = module
         # A pipeline stage may hold no MoE layer: no monitor, but it still takes part in the all_reduce.
         self.monitor = RouteDriftMonitor.attach(module) if find_replay_routers(module) else None
+        if self.monitor is not None:
+            self.monitor.index_checked_on_host = True  # run() checks every batch's routed_experts first
 
     def run(self, original, engine, data, loss_function, forward_only):
         """``original(data, loss_function, forward_only)`` (verl's bound method) with the routers watched."""

@@ -11,10 +11,10 @@ never the class, never a process-global list), so it works with whichever implem
 On REPLAY_FORWARD the wrapper
 
 - checks the replay data: present, shape (tokens, topk) equal to the scores' token count, indices in
-  ``[0, num_experts)``; an error names the layer and the shapes. The index check is on the host for data on the
-  host; for data on an accelerator it is an asynchronous device assert (no host sync on the hot path), a backstop:
-  the route-drift engine checks the whole batch's ``routed_experts`` on the host once per call
-  (:func:`check_expert_indices`), so a bad index is reported with its layer before any forward;
+  ``[0, num_experts)``; an error (ValueError) names the layer and the shapes, on CPU and CUDA alike. For data on an
+  accelerator the index check costs one host sync per router and replayed forward. The route-drift engine checks
+  the whole batch's ``routed_experts`` on the host once per call instead (:func:`check_expert_indices`) and
+  switches the per-router index check off (``index_checked_on_host``);
 - computes the native top-k once more from the ``scores`` the router passes in (one extra top-k; the logits and
   scores exist anyway) and accumulates :class:`respo_verl.routing.diagnostics.RouteDriftStats`. Counted are the
   replayed tokens: with verl's R3 ``replay_mask`` the tokens with rollout routes; and never verl's THD padding rows.
@@ -88,6 +88,11 @@ class RouteDriftMonitor:
 
     Use :meth:`attach` to get the monitor installed on a model (idempotent), :meth:`remove` or a ``with`` block to
     unhook it, :meth:`step` around one step's forwards, and :meth:`metrics` to read ``actor/routing/...`` scalars.
+
+    Attributes:
+        index_checked_on_host: set by a caller that has checked every expert index it replays on the host
+            (:func:`check_expert_indices`, as the route-drift engine does): the routers then skip their own index
+            check of replay data on an accelerator, which costs a host sync per router. False by default.
     """
 
     def __init__(self, model: nn.Module | Iterable[nn.Module]):
@@ -103,6 +108,7 @@ class RouteDriftMonitor:
             if owner is not None:
                 raise RuntimeError(f"MoE layer {layer} already has a RouteDriftMonitor; use RouteDriftMonitor.attach")
         self.layers = tuple(sorted(self.routers))
+        self.index_checked_on_host = False
         self._stats = RouteDriftStats(self.layers, {layer: chunk for layer, (_, chunk) in with_chunks.items()})
         self._pending: dict[int, tuple[int, ...]] = {}  # layer -> shape of replay data set and not consumed yet
         self._unconsumed: list[str] = []
@@ -179,7 +185,7 @@ class RouteDriftMonitor:
             action = _action_name(replay)
             if action == _REPLAY_FORWARD:
                 target = replay.target_topk_idx
-                self._check(layer, target, scores, topk, num_experts, "REPLAY_FORWARD")
+                self._check(layer, target, scores, topk, num_experts, "REPLAY_FORWARD", self.index_checked_on_host)
             elif action == _REPLAY_BACKWARD:
                 pending = getattr(replay, "replay_backward_list", None)
                 if not pending:
@@ -187,7 +193,7 @@ class RouteDriftMonitor:
                         f"routing replay: layer {layer}: REPLAY_BACKWARD (recompute) with no replay data left; "
                         f"scores {tuple(scores.shape)}"
                     )
-                self._check(layer, pending[0], scores, topk, num_experts, "REPLAY_BACKWARD")
+                self._check(layer, pending[0], scores, topk, num_experts, "REPLAY_BACKWARD", self.index_checked_on_host)
             probs, topk_idx = get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             if action == _REPLAY_FORWARD:
                 self._pending.pop(layer, None)
@@ -221,7 +227,9 @@ class RouteDriftMonitor:
         return tracked_set_target_indices
 
     @staticmethod
-    def _check(layer: int, target, scores: torch.Tensor, topk: int, num_experts: int, action: str) -> None:
+    def _check(
+        layer: int, target, scores: torch.Tensor, topk: int, num_experts: int, action: str, indices_checked: bool
+    ) -> None:
         if target is None:
             raise ValueError(
                 f"routing replay: layer {layer}: {action} but no replay data was set for this layer "
@@ -234,17 +242,13 @@ class RouteDriftMonitor:
             )
         if target.is_floating_point():
             raise ValueError(f"routing replay: layer {layer}: replay data must be integer, got {target.dtype}")
-        message = (
-            f"routing replay: layer {layer}: replay data of shape {tuple(target.shape)} holds an expert index "
-            f"outside [0, {num_experts})"
-        )
-        in_range = ((target >= 0) & (target < num_experts)).all()
-        if target.device.type == "cpu":
-            if not bool(in_range):
-                raise ValueError(message)
-        else:
-            # No host sync on the hot path; the engine has checked the batch on the host already.
-            torch._assert_async(in_range, message)
+        if indices_checked and target.device.type != "cpu":
+            return  # checked on the host before the forward; a check here would cost a host sync per router
+        if not bool(((target >= 0) & (target < num_experts)).all()):
+            raise ValueError(
+                f"routing replay: layer {layer}: replay data of shape {tuple(target.shape)} holds an expert index "
+                f"outside [0, {num_experts})"
+            )
 
 
 def padding_rows(topk_idx: torch.Tensor) -> torch.Tensor | None:

@@ -252,15 +252,18 @@ def test_the_engine_does_not_let_unconsumed_replay_data_pass_although_verl_clear
 @pytest.mark.parametrize("bad", [NUM_EXPERTS, -1])
 def test_routed_experts_out_of_range_are_refused_on_the_host_naming_the_layer(engine_cls, input_ids, bad):
     """verl's batch carries the whole mini-batch's routes as ``routed_experts`` (batch, tokens, layers, topk); a bad
-    index is reported before any forward, with the layer, rather than as a device-side assert on CUDA."""
+    index is reported before any forward, with the layer, on CPU and CUDA alike."""
     model = tiny_gpt_moe()
     routes = _native_routes(model, input_ids)
     routed = torch.stack([routes[layer].reshape(BATCH, SEQ, -1) for layer in range(NUM_LAYERS)], dim=2)
     routed[1, 3, 1, 0] = bad
     data = _batch(input_ids)
     data["routed_experts"] = routed
+    engine = _engine(engine_cls, model, routes)
     with pytest.raises(ValueError, match=rf"outside \[0, {NUM_EXPERTS}\) in layer\(s\) \[1\] of their layer dimension"):
-        _engine(engine_cls, model, routes).forward_backward_batch(data, None, forward_only=False)
+        engine.forward_backward_batch(data, None, forward_only=False)
+    # Checked here on the host, so its routers skip their own index check (a host sync per router on CUDA).
+    assert engine.__dict__["_route_drift"].monitor.index_checked_on_host
     nested = torch.nested.nested_tensor([routed[0, :4], routed[1]], layout=torch.jagged)
     data = _batch(input_ids)
     data["routed_experts"] = nested
