@@ -37,6 +37,7 @@ class Layout:
     recompute_num_layers: int | None = None
     moe_dispatcher: str | None = None
     moe_router_dtype: str | None = None
+    overlap_p2p_comm: bool | None = None  # None: verl's and mbridge's own choice, True when VPP > 1
     optimizer_cpu_offload: bool = False
     optimizer_cpu_offload_fraction: float = 0.0
     precision_aware_optimizer: bool = False
@@ -134,6 +135,10 @@ def _bool(cfg: DictConfig, key: str, default: bool) -> bool:
     return value
 
 
+def _opt_bool(cfg: DictConfig, key: str) -> bool | None:
+    return None if _get(cfg, key) is None else _bool(cfg, key, False)
+
+
 def layout_from_config(cfg: DictConfig) -> Layout:
     """Read a :class:`Layout` from a composed (resolvable) job config."""
     actor = "actor_rollout_ref.actor"
@@ -184,6 +189,7 @@ def layout_from_config(cfg: DictConfig) -> Layout:
             recompute_num_layers=_opt_int(cfg, f"{tf}.recompute_num_layers"),
             moe_dispatcher=_get(cfg, f"{tf}.moe_token_dispatcher_type"),
             moe_router_dtype=_get(cfg, f"{tf}.moe_router_dtype"),
+            overlap_p2p_comm=_opt_bool(cfg, f"{tf}.overlap_p2p_comm"),
             optimizer_cpu_offload=cpu_offload,
             # verl copies override_optimizer_config over its own optim keys (utils/megatron/optimizer.py).
             precision_aware_optimizer=_bool(

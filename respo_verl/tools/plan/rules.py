@@ -105,6 +105,16 @@ def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
                 f"virtual pipeline size {lay.vpp} needs PP > 1 ({MG}.virtual_pipeline_model_parallel_size)",
             )
         )
+    if lay.pp == 2 and vpp > 1 and lay.overlap_p2p_comm is False:
+        out.append(
+            Violation(
+                "pp2-vpp-p2p",
+                f"PP = 2 with VPP = {vpp} and {MG}.override_transformer_config.overlap_p2p_comm=false: under verl's "
+                "variable_seq_lengths, megatron-core 0.16.1 exchanges activation and gradient shapes to the one peer "
+                "in one call and crosses them (NVIDIA/Megatron-LM#5100); leave overlap_p2p_comm unset (verl sets it "
+                "true with VPP > 1)",
+            )
+        )
     if m.num_layers % (lay.pp * vpp):
         out.append(
             Violation(

@@ -60,6 +60,7 @@ def _base(model: str) -> Layout:
         ("moe", {"pp": 2, "vpp": 5}, "layers-pp"),
         ("moe", {"pp": 5}, "layers-pp"),
         ("moe", {"vpp": 2}, "vpp-needs-pp"),
+        ("moe", {"pp": 2, "vpp": 2, "overlap_p2p_comm": False}, "pp2-vpp-p2p"),
         ("moe", {"sequence_parallel": False}, "moe-sequence-parallel"),
         ("moe", {"recompute_method": None}, "recompute"),
         ("moe", {"recompute_num_layers": 49}, "recompute"),
