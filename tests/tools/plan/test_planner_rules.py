@@ -151,3 +151,15 @@ def test_the_papers_h200_settings_cannot_start_on_verl_0_9_1():
     # the same settings start once the trainer leaves the GPU before vLLM starts
     offloaded = [*PAPER_H200, f"{MG}.param_offload=true", f"{MG}.optimizer_offload=true"]
     assert "rollout-startup" not in _rules("qwen3_30b_a3b_h200_1x8", *offloaded)
+
+
+def test_pp2_with_vpp_is_refused_only_when_overlap_p2p_comm_is_turned_off():
+    """verl and mbridge set overlap_p2p_comm=true under VPP, which keeps megatron-core 0.16.1 from crossing the
+    activation and gradient shapes at PP = 2 (docs/routing-replay.md); only an override to false is refused."""
+    mg = "actor_rollout_ref.actor.megatron"
+    pp2_vpp2 = (f"{mg}.pipeline_model_parallel_size=2", f"{mg}.virtual_pipeline_model_parallel_size=2")
+    key = f"+{mg}.override_transformer_config.overlap_p2p_comm"
+    assert "pp2-vpp-p2p" not in _rules("qwen3_30b_a3b_h100_2x8", *pp2_vpp2)
+    assert "pp2-vpp-p2p" not in _rules("qwen3_30b_a3b_h100_2x8", *pp2_vpp2, f"{key}=true")
+    assert "pp2-vpp-p2p" in _rules("qwen3_30b_a3b_h100_2x8", *pp2_vpp2, f"{key}=false")
+    assert "pp2-vpp-p2p" not in _rules("qwen3_30b_a3b_h100_2x8", f"{key}=false")  # no virtual pipeline
