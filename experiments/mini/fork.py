@@ -100,6 +100,8 @@ SLIP_HAZARD = 0.002
 # The warm start's steps (model.WarmStart.steps): half the chain task's 3000, which the chain task's regime also
 # held with (docs/mini.md, "How the task got here"), so that a fresh warm start takes minutes, not a quarter hour.
 WARM_START_STEPS = 1500
+# The seed of the draw of the problems with a hidden extra segment (``Fork.extra_share``).
+EXTRA_SEED = 35433
 
 
 def word(step: int | torch.Tensor, v: int | torch.Tensor) -> int | torch.Tensor:
@@ -157,16 +159,36 @@ class Fork:
     problem_digits = staticmethod(problem_digits)
     held_out_problems = staticmethod(held_out_problems)
 
-    def __init__(self, name: str, segment_steps: int, overshoot_share: float = OVERSHOOT_SHARE) -> None:
+    def __init__(
+        self,
+        name: str,
+        segment_steps: int,
+        overshoot_share: float = OVERSHOOT_SHARE,
+        undershoot_share: float = 0.0,
+        extra_share: float = 0.0,
+        overshoot_to_last: bool = True,
+    ) -> None:
         if segment_steps < 2:
             raise ValueError(
                 f"a segment needs at least 2 words (a mistake is a word of another step), got {segment_steps}"
             )
         if not 0.0 <= overshoot_share < 1.0:
             raise ValueError(f"overshoot_share is a probability below 1, got {overshoot_share}")
+        if not 0.0 <= undershoot_share < 1.0:
+            raise ValueError(f"undershoot_share is a probability below 1, got {undershoot_share}")
         self.name = name
         self.SEGMENT_STEPS = segment_steps
         self.overshoot_share = overshoot_share
+        self.undershoot_share = undershoot_share
+        if not 0.0 <= extra_share <= 1.0:
+            raise ValueError(f"extra_share is a probability, got {extra_share}")
+        self.extra_share = extra_share
+        self.overshoot_to_last = overshoot_to_last
+        # The problems whose right answer has one segment more than their digit sum says (none when extra_share is
+        # 0): a fixed draw, the same for every run, among the problems that need fewer than N_SEGMENTS.
+        draw = torch.rand(N_PROBLEMS, generator=torch.Generator().manual_seed(EXTRA_SEED)) < extra_share
+        ids = torch.arange(N_PROBLEMS)
+        self._extra = draw & (segments_needed(problem_digits(ids)) < N_SEGMENTS)  # (N_PROBLEMS,)
         self.N_STEPS = N_SEGMENTS * segment_steps
         self.SEGMENT_LEN = segment_steps + 1  # its words and the fork after them
         self.MAX_RESPONSE_LEN = 1 + N_SEGMENTS * self.SEGMENT_LEN  # ":", then every segment
@@ -175,7 +197,17 @@ class Fork:
         self._last_fork = self.fork_position(N_SEGMENTS)
 
     def __repr__(self) -> str:
-        return f"Fork({self.name!r}, segment_steps={self.SEGMENT_STEPS}, overshoot_share={self.overshoot_share})"
+        return (
+            f"Fork({self.name!r}, segment_steps={self.SEGMENT_STEPS}, overshoot_share={self.overshoot_share},"
+            f" undershoot_share={self.undershoot_share}, extra_share={self.extra_share})"
+        )
+
+    def segments_right(self, digits: torch.Tensor) -> torch.Tensor:
+        """(P,) segments the right answer has for prompts with these (P, N_DIGITS) digits: :func:`segments_needed`,
+        plus one on the problems of the hidden extra segment (``extra_share``)."""
+        base = MAX_DIGIT + 1
+        ids = (digits * base ** torch.arange(N_DIGITS - 1, -1, -1)).sum(dim=1)  # (P,)
+        return segments_needed(digits) + self._extra[ids].long()
 
     def fork_position(self, segment: int | torch.Tensor) -> int | torch.Tensor:
         """Response position (0-based) of the fork after segment ``segment`` (1-based)."""
@@ -261,7 +293,7 @@ class Fork:
             )
         if prompts.digits.shape[0] != response.shape[0]:
             raise ValueError(f"verify got {response.shape[0]} responses but {prompts.digits.shape[0]} prompts")
-        right = self.stopped_at(response) == segments_needed(prompts.digits)  # (B,)
+        right = self.stopped_at(response) == self.segments_right(prompts.digits)  # (B,)
         return torch.where(right & ~self._has_mistake(response), 1.0, -1.0)
 
     def _has_mistake(self, response: torch.Tensor) -> torch.Tensor:
@@ -282,7 +314,7 @@ class Fork:
     def ending(self, response: torch.Tensor, prompts: Prompts) -> torch.Tensor:
         """(B,) how each response ended, an :class:`Ending` value per row."""
         lengths, last = self._last_tokens(response)  # (B,), (B,)
-        needed = segments_needed(prompts.digits)  # (B,)
+        needed = self.segments_right(prompts.digits)  # (B,)
         stop = self.stopped_at(response)  # (B,)
         rows = torch.arange(response.shape[0])
         position = self.fork_position(needed)  # (B,)
@@ -309,14 +341,25 @@ class Fork:
         return out
 
     def warm_start_answer(self, needed: int, generator: torch.Generator) -> list[int]:
-        """One answer of the warm start's data for a prompt that needs ``needed`` segments: it goes on to the last
-        segment with probability ``overshoot_share`` (where there is one), else stops right; at each step it
+        """One answer of the warm start's data for a prompt that needs ``needed`` segments: at each fork before the
+        right one it stops there with probability ``undershoot_share``; if it reaches the right fork, it goes on to
+        the last segment with probability ``overshoot_share`` (where there is one), else stops; at each step it
         makes a mistake with probability :data:`MISTAKE_HAZARD` (a uniform word of another step of the segment) and
         goes on, and it slips with probability :data:`SLIP_HAZARD` (a uniform word of a step of another segment,
         where the answer is cut off: the data have no word after a slip)."""
         seg = self.SEGMENT_STEPS
-        overshoot = needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < self.overshoot_share
-        full = self.answer(needed, N_SEGMENTS if overshoot else needed, generator)
+        segments = needed
+        if self.undershoot_share > 0.0:  # draws nothing otherwise, so that the other tasks' data stay bit for bit
+            early = (torch.rand(needed - 1, generator=generator) < self.undershoot_share).nonzero()
+            segments = int(early[0]) + 1 if len(early) else needed
+        overshoot = (
+            segments == needed
+            and needed < N_SEGMENTS
+            and float(torch.rand((), generator=generator)) < self.overshoot_share
+        )
+        if overshoot:
+            segments = N_SEGMENTS if self.overshoot_to_last else needed + 1
+        full = self.answer(needed, segments, generator)
         steps = (len(full) - 1) // self.SEGMENT_LEN * seg
         draw = torch.rand(steps, generator=generator)  # (steps,)
         for s in (draw < MISTAKE_HAZARD).nonzero().squeeze(1).tolist():
@@ -343,7 +386,11 @@ class Fork:
         return {
             "name": self.name,
             "segments": [MIN_SEGMENTS, N_SEGMENTS, self.SEGMENT_STEPS, WORDS_PER_STEP, *SEGMENT_SUMS],
-            "data": [self.overshoot_share, MISTAKE_HAZARD, SLIP_HAZARD],
+            # the undershoot enters only where there is one, so that the other tasks' keys are the shipped ones
+            "data": [self.overshoot_share, MISTAKE_HAZARD, SLIP_HAZARD]
+            + ([self.undershoot_share] if self.undershoot_share else [])
+            + ([self.extra_share, EXTRA_SEED] if self.extra_share else [])
+            + ([] if self.overshoot_to_last else ["overshoot one segment"]),
             "vocab": self.VOCAB_SIZE,
         }
 
@@ -359,5 +406,9 @@ FORK_LONG = Fork("fork_long", 40)
 # the paper's high tail. Measured, it does not: the stop is learned before the first rollout batch's stale half, and
 # the high tail stays near 5 % (docs/mini.md, "The stop task").
 FORK_STOP = Fork("fork_stop", 30, overshoot_share=0.7)
-FORKS = (FORK, FORK_LONG, FORK_STOP)
+# The same task whose base model stops too early: at each fork before the right one, the warm start's data stop with
+# probability 0.5. RL must learn to go on, fork after fork (docs/mini.md, "The go-on task").
+FORK_GO = Fork("fork_go", 30, undershoot_share=0.5)
+FORK_EXTRA = Fork("fork_extra", 30, extra_share=0.5)
+FORKS = (FORK, FORK_LONG, FORK_STOP, FORK_GO, FORK_EXTRA)
 NAME = FORK.name

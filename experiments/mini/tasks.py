@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the tasks import torch; the CLI checks a task's name before
     from experiments.mini.task import Prompts
 
 DEFAULT = "chain"
-NAMES = ("chain", "fork", "fork_long", "fork_stop")
+NAMES = ("chain", "fork", "fork_long", "fork_stop", "fork_go", "fork_extra")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ no score: it is how the versions of the fork task were judged before any method 
 "How the task got here"). A version is a setting of the constants of ``experiments/mini/fork.py``; its base model is
 loaded when shipped, else trained (``fork.WARM_START_STEPS`` steps) and cached.
 
-Usage: python experiments/mini/probes/fork_regime_probe.py [--warm-seed 0] [--lr 3e-4,3.5e-4] [--updates 192]
-[--cache-dir DIR] [--out DIR]
+Usage: python experiments/mini/probes/fork_regime_probe.py [--task fork] [--warm-seed 0] [--lr 3e-4,3.5e-4]
+[--updates 192] [--cache-dir DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from experiments.mini.train import RunConfig, train
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--task", choices=[t for t in tasks.NAMES if tasks.get(t).high_tail], default=fork.NAME)
     parser.add_argument("--warm-seed", type=int, default=0, help="warm seed (also the RL seed)")
     parser.add_argument("--lr", default="3e-4,3.5e-4", help="comma-separated learning rates")
     parser.add_argument("--updates", type=int, default=protocol.FULL_OPTIMIZER_STEPS, help="updates per run")
@@ -36,10 +37,10 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     start = time.perf_counter()
     warm = model_lib.WarmStart(seed=args.warm_seed, steps=fork.WARM_START_STEPS)
-    base, origin = model_lib.warm_start(model_lib.ModelSpec(), warm, cache_dir=args.cache_dir, task_name=fork.NAME)
-    key = model_lib.recipe_key(model_lib.ModelSpec(), warm, fork.NAME)
+    base, origin = model_lib.warm_start(model_lib.ModelSpec(), warm, cache_dir=args.cache_dir, task_name=args.task)
+    key = model_lib.recipe_key(model_lib.ModelSpec(), warm, args.task)
     print(f"base model {key}: {origin} ({time.perf_counter() - start:.0f} s)", flush=True)
-    endings = tuple(f"mini/{name}_frac" for name in tasks.get(fork.NAME).ending_metrics)
+    endings = tuple(f"mini/{name}_frac" for name in tasks.get(args.task).ending_metrics)
     out = args.out or Path(tempfile.mkdtemp(prefix="fork_probe_"))
     for lr in (float(x) for x in args.lr.split(",")):
         start = time.perf_counter()
@@ -52,7 +53,7 @@ def main() -> None:
             rollout_prompts=protocol.MINIBATCH_PROMPTS * regime.REGIME_REUSE,
             group_size=protocol.GROUP_SIZE,
             lr=lr,
-            task=fork.NAME,
+            task=args.task,
         )
         result = train(cfg, base, out)
         print(f"lr {lr:g} ({time.perf_counter() - start:.0f} s): {result.regime.line()}", flush=True)

@@ -147,10 +147,14 @@ def test_warm_start_data_err_at_their_rates():
 
 
 def test_registry_selects_the_task_and_names_its_runs():
-    assert tasks.NAMES == ("chain", "fork", "fork_long", "fork_stop") and tasks.DEFAULT == "chain"
+    assert (
+        tasks.NAMES == ("chain", "fork", "fork_long", "fork_stop", "fork_go", "fork_extra") and tasks.DEFAULT == "chain"
+    )
     assert tasks.get("fork").module is fork.FORK and tasks.get("fork").high_tail
     assert not tasks.get("chain").high_tail
-    with pytest.raises(ValueError, match="unknown task 'forks'; the tasks are chain, fork, fork_long, fork_stop"):
+    with pytest.raises(
+        ValueError, match="unknown task 'forks'; the tasks are chain, fork, fork_long, fork_stop, fork_go, fork_extra"
+    ):
         tasks.get("forks")
     chain_run = RunConfig("respo", 32, 0, 192, 128, lr=4e-4)
     assert chain_run.name == "respo_n32_lr4e-04_w0_seed0"  # the chain task's names are unchanged
@@ -301,3 +305,49 @@ def test_the_stop_task_is_the_fork_task_whose_data_overshoot_seven_times_in_ten(
     assert cfg.name == "fork_stop_respo_n32_lr3e-04_w0_seed0"
     with pytest.raises(ValueError, match=r"overshoot_share is a probability below 1, got 1\.0"):
         fork.Fork("always", 30, overshoot_share=1.0)
+
+
+def test_the_go_on_task_is_the_fork_task_whose_data_stop_early_at_half_the_forks():
+    go = fork.FORK_GO
+    assert (go.SEGMENT_STEPS, go.MAX_RESPONSE_LEN, go.VOCAB_SIZE) == (30, 156, fork.FORK.VOCAB_SIZE)
+    assert (go.undershoot_share, go.overshoot_share) == (0.5, 0.1)
+    assert {t.undershoot_share for t in (fork.FORK, fork.FORK_LONG, fork.FORK_STOP)} == {0.0}
+    # the same grammar and verifier as the fork task: stopping early is wrong
+    response = _batch(_answer(2), _answer(4), _answer(3))
+    prompts = _prompts((2, 1, 1), (4, 4, 0), (2, 1, 1))
+    assert go.verify(response, prompts).tolist() == fork.FORK.verify(response, prompts).tolist() == [-1, -1, 1]
+    assert go.ending(response, prompts).tolist() == [Ending.STOPPED_EARLY, Ending.STOPPED_EARLY, Ending.COMPLETE]
+    # its data stop at each fork before the right one with probability 0.5, and never at the first fork only
+    generator = torch.Generator().manual_seed(0)
+    prompts = fork.sample_prompts(4000, generator)
+    response = _batch(*go.warm_start_answers(prompts, generator))
+    needed = fork.segments_needed(prompts.digits)
+    stop = go.stopped_at(response)  # 0 where an answer did not stop at a fork (a slip)
+    reached, stopped = 0, 0
+    for i in range(1, fork.N_SEGMENTS):
+        at_fork = (needed > i) & ((stop == 0) | (stop >= i)) & (go.response_lengths(response) > go.fork_position(i))
+        n, k = int(at_fork.sum()), int((stop[at_fork] == i).sum())
+        assert abs(k / n - 0.5) < 3 * math.sqrt(0.25 / n), (i, k, n)  # within 3 binomial sd at each fork
+        reached, stopped = reached + n, stopped + k
+    assert abs(stopped / reached - 0.5) < 0.03, (stopped, reached)
+    right = go.verify(response, prompts) > 0
+    assert 0.08 < float(right.float().mean()) < 0.13  # 0.5^(k-1) of the answers reach their fork, half without error
+    # the other tasks' data are drawn as before, bit for bit: no draw for an undershoot they do not have
+    for task in (fork.FORK, fork.FORK_STOP):
+        twin = fork.Fork("twin", 30, overshoot_share=task.overshoot_share, undershoot_share=0.0)
+        a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        some = fork.sample_prompts(64, torch.Generator().manual_seed(4))
+        assert task.warm_start_answers(some, a) == twin.warm_start_answers(some, b)
+    # its own base models and run names; the other fork tasks' recipe keys (their shipped models) are unchanged
+    spec = model.ModelSpec()
+    warm = model.WarmStart(steps=fork.WARM_START_STEPS)
+    assert model.recipe_key(spec, warm, "fork") == "0f0e897a6ddd7cf8"
+    assert model.recipe_key(spec, warm, "fork_long") == "81e24ea2413e5890"
+    assert model.recipe_key(spec, warm, "fork_stop") == "89a824dbcb50dd12"
+    assert model.recipe_key(spec, warm, "fork_go") not in {
+        model.recipe_key(spec, warm, t) for t in ("chain", "fork", "fork_long", "fork_stop")
+    }
+    assert tasks.get("fork_go").module is go and tasks.get("fork_go").high_tail
+    assert RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task="fork_go").name == "fork_go_respo_n32_lr3e-04_w0_seed0"
+    with pytest.raises(ValueError, match=r"undershoot_share is a probability below 1, got -0\.1"):
+        fork.Fork("never", 30, undershoot_share=-0.1)
