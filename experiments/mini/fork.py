@@ -1,7 +1,8 @@
 """The miniature's second task, ``fork``: know when to stop, and make no mistake on the way. Both of the paper's
-tails exist on it. :class:`Fork` is the task for a number of words per segment and a share of overshooting answers in
-the warm start's data: :data:`FORK` (30 and 0.1, the task ``fork``), :data:`FORK_LONG` (40 and 0.1, the task
-``fork_long``) and :data:`FORK_STOP` (30 and 0.7, the task ``fork_stop``); everything else is the same.
+tails exist on it. :class:`Fork` is the task for a number of words per segment, a share of overshooting answers in
+the warm start's data and a share of problems with a hidden extra segment: :data:`FORK` (30, 0.1, none: the task
+``fork``), :data:`FORK_LONG` (40, 0.1, none: ``fork_long``), :data:`FORK_STOP` (30, 0.7, none: ``fork_stop``) and
+:data:`FORK_EXTRA` (30, 0.2 by one segment, half: ``fork_extra``); everything else is the same.
 
 Prompt: the chain task's ``<bos> d_1 d_2 d_3 =`` (``task.py``). Its digit sum sets how many segments the answer
 needs, :func:`segments_needed`: from 2 for the easiest prompts to :data:`N_SEGMENTS` for the hardest. A response is
@@ -164,7 +165,6 @@ class Fork:
         name: str,
         segment_steps: int,
         overshoot_share: float = OVERSHOOT_SHARE,
-        undershoot_share: float = 0.0,
         extra_share: float = 0.0,
         overshoot_to_last: bool = True,
     ) -> None:
@@ -174,12 +174,9 @@ class Fork:
             )
         if not 0.0 <= overshoot_share < 1.0:
             raise ValueError(f"overshoot_share is a probability below 1, got {overshoot_share}")
-        if not 0.0 <= undershoot_share < 1.0:
-            raise ValueError(f"undershoot_share is a probability below 1, got {undershoot_share}")
         self.name = name
         self.SEGMENT_STEPS = segment_steps
         self.overshoot_share = overshoot_share
-        self.undershoot_share = undershoot_share
         if not 0.0 <= extra_share <= 1.0:
             raise ValueError(f"extra_share is a probability, got {extra_share}")
         self.extra_share = extra_share
@@ -199,7 +196,7 @@ class Fork:
     def __repr__(self) -> str:
         return (
             f"Fork({self.name!r}, segment_steps={self.SEGMENT_STEPS}, overshoot_share={self.overshoot_share},"
-            f" undershoot_share={self.undershoot_share}, extra_share={self.extra_share})"
+            f" extra_share={self.extra_share})"
         )
 
     def segments_right(self, digits: torch.Tensor) -> torch.Tensor:
@@ -341,23 +338,15 @@ class Fork:
         return out
 
     def warm_start_answer(self, needed: int, generator: torch.Generator) -> list[int]:
-        """One answer of the warm start's data for a prompt that needs ``needed`` segments: at each fork before the
-        right one it stops there with probability ``undershoot_share``; if it reaches the right fork, it goes on to
-        the last segment with probability ``overshoot_share`` (where there is one), else stops; at each step it
+        """One answer of the warm start's data for a prompt whose digit sum says ``needed`` segments (the data do not
+        know a hidden extra segment): it goes on past that fork with probability ``overshoot_share`` (where there is
+        a next segment), to the last segment or, without ``overshoot_to_last``, one segment further; at each step it
         makes a mistake with probability :data:`MISTAKE_HAZARD` (a uniform word of another step of the segment) and
         goes on, and it slips with probability :data:`SLIP_HAZARD` (a uniform word of a step of another segment,
         where the answer is cut off: the data have no word after a slip)."""
         seg = self.SEGMENT_STEPS
         segments = needed
-        if self.undershoot_share > 0.0:  # draws nothing otherwise, so that the other tasks' data stay bit for bit
-            early = (torch.rand(needed - 1, generator=generator) < self.undershoot_share).nonzero()
-            segments = int(early[0]) + 1 if len(early) else needed
-        overshoot = (
-            segments == needed
-            and needed < N_SEGMENTS
-            and float(torch.rand((), generator=generator)) < self.overshoot_share
-        )
-        if overshoot:
+        if needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < self.overshoot_share:
             segments = N_SEGMENTS if self.overshoot_to_last else needed + 1
         full = self.answer(needed, segments, generator)
         steps = (len(full) - 1) // self.SEGMENT_LEN * seg
@@ -386,9 +375,8 @@ class Fork:
         return {
             "name": self.name,
             "segments": [MIN_SEGMENTS, N_SEGMENTS, self.SEGMENT_STEPS, WORDS_PER_STEP, *SEGMENT_SUMS],
-            # the undershoot enters only where there is one, so that the other tasks' keys are the shipped ones
+            # the knobs the first tasks did not have enter only where set, so that their keys are the shipped ones
             "data": [self.overshoot_share, MISTAKE_HAZARD, SLIP_HAZARD]
-            + ([self.undershoot_share] if self.undershoot_share else [])
             + ([self.extra_share, EXTRA_SEED] if self.extra_share else [])
             + ([] if self.overshoot_to_last else ["overshoot one segment"]),
             "vocab": self.VOCAB_SIZE,
@@ -406,9 +394,11 @@ FORK_LONG = Fork("fork_long", 40)
 # the paper's high tail. Measured, it does not: the stop is learned before the first rollout batch's stale half, and
 # the high tail stays near 5 % (docs/mini.md, "The stop task").
 FORK_STOP = Fork("fork_stop", 30, overshoot_share=0.7)
-# The same task whose base model stops too early: at each fork before the right one, the warm start's data stop with
-# probability 0.5. RL must learn to go on, fork after fork (docs/mini.md, "The go-on task").
-FORK_GO = Fork("fork_go", 30, undershoot_share=0.5)
-FORK_EXTRA = Fork("fork_extra", 30, extra_share=0.5)
-FORKS = (FORK, FORK_LONG, FORK_STOP, FORK_GO, FORK_EXTRA)
+# The same task where half the problems (a fixed draw, among those that need fewer than five segments) need one
+# segment more than their digit sum says, which the warm start's data do not know: they stop where the digit sum
+# says, or go on one segment further with probability 0.2. Going on is right on those problems and wrong on the
+# others, so RL makes more of it than it should on the others: a long wrong mode that the policy over-generates
+# (docs/mini.md, "The hidden-segment task").
+FORK_EXTRA = Fork("fork_extra", 30, overshoot_share=0.2, extra_share=0.5, overshoot_to_last=False)
+FORKS = (FORK, FORK_LONG, FORK_STOP, FORK_EXTRA)
 NAME = FORK.name

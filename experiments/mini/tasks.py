@@ -1,5 +1,5 @@
-"""The miniature's tasks, by name: ``chain`` (``task.py``, the default), ``fork``, ``fork_long`` and ``fork_stop``
-(``fork.py``).
+"""The miniature's tasks, by name: ``chain`` (``task.py``, the default), ``fork``, ``fork_long``, ``fork_stop`` and
+``fork_extra`` (``fork.py``).
 
 A task is a module (for the fork tasks, a ``fork.Fork``) with one interface: the special tokens (``PAD``, ``BOS``,
 ``EOS``), ``VOCAB_SIZE``, ``PROMPT_LEN``, ``MAX_RESPONSE_LEN``, ``sample_prompts``, ``breaks_grammar``,
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the tasks import torch; the CLI checks a task's name before
     from experiments.mini.task import Prompts
 
 DEFAULT = "chain"
-NAMES = ("chain", "fork", "fork_long", "fork_stop", "fork_go", "fork_extra")
+NAMES = ("chain", "fork", "fork_long", "fork_stop", "fork_extra")
 
 
 @dataclass(frozen=True)

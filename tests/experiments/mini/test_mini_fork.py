@@ -147,13 +147,11 @@ def test_warm_start_data_err_at_their_rates():
 
 
 def test_registry_selects_the_task_and_names_its_runs():
-    assert (
-        tasks.NAMES == ("chain", "fork", "fork_long", "fork_stop", "fork_go", "fork_extra") and tasks.DEFAULT == "chain"
-    )
+    assert tasks.NAMES == ("chain", "fork", "fork_long", "fork_stop", "fork_extra") and tasks.DEFAULT == "chain"
     assert tasks.get("fork").module is fork.FORK and tasks.get("fork").high_tail
     assert not tasks.get("chain").high_tail
     with pytest.raises(
-        ValueError, match="unknown task 'forks'; the tasks are chain, fork, fork_long, fork_stop, fork_go, fork_extra"
+        ValueError, match="unknown task 'forks'; the tasks are chain, fork, fork_long, fork_stop, fork_extra"
     ):
         tasks.get("forks")
     chain_run = RunConfig("respo", 32, 0, 192, 128, lr=4e-4)
@@ -307,34 +305,45 @@ def test_the_stop_task_is_the_fork_task_whose_data_overshoot_seven_times_in_ten(
         fork.Fork("always", 30, overshoot_share=1.0)
 
 
-def test_the_go_on_task_is_the_fork_task_whose_data_stop_early_at_half_the_forks():
-    go = fork.FORK_GO
-    assert (go.SEGMENT_STEPS, go.MAX_RESPONSE_LEN, go.VOCAB_SIZE) == (30, 156, fork.FORK.VOCAB_SIZE)
-    assert (go.undershoot_share, go.overshoot_share) == (0.5, 0.1)
-    assert {t.undershoot_share for t in (fork.FORK, fork.FORK_LONG, fork.FORK_STOP)} == {0.0}
-    # the same grammar and verifier as the fork task: stopping early is wrong
-    response = _batch(_answer(2), _answer(4), _answer(3))
-    prompts = _prompts((2, 1, 1), (4, 4, 0), (2, 1, 1))
-    assert go.verify(response, prompts).tolist() == fork.FORK.verify(response, prompts).tolist() == [-1, -1, 1]
-    assert go.ending(response, prompts).tolist() == [Ending.STOPPED_EARLY, Ending.STOPPED_EARLY, Ending.COMPLETE]
-    # its data stop at each fork before the right one with probability 0.5, and never at the first fork only
+def test_the_hidden_segment_task_needs_one_more_segment_on_half_the_problems_and_its_data_do_not_know():
+    extra = fork.FORK_EXTRA
+    assert (extra.SEGMENT_STEPS, extra.MAX_RESPONSE_LEN, extra.VOCAB_SIZE) == (30, 156, fork.FORK.VOCAB_SIZE)
+    assert (extra.extra_share, extra.overshoot_share, extra.overshoot_to_last) == (0.5, 0.2, False)
+    assert {(t.extra_share, t.overshoot_to_last) for t in (fork.FORK, fork.FORK_LONG, fork.FORK_STOP)} == {(0.0, True)}
+    # the hidden problems: a fixed half of those that need fewer than five segments by their digit sum, none of the rest
+    ids = torch.arange(fork.N_PROBLEMS)
+    digits = fork.problem_digits(ids)
+    needed = fork.segments_needed(digits)
+    hidden = extra.segments_right(digits) - needed  # (N_PROBLEMS,) 0 or 1
+    assert set(hidden.tolist()) == {0, 1} and int(hidden[needed == fork.N_SEGMENTS].sum()) == 0
+    assert int(hidden.sum()) == 45 and int((needed < fork.N_SEGMENTS).sum()) == 90  # 45 of 90: the draw's half
+    assert torch.equal(fork.FORK.segments_right(digits), needed)
+    # the same grammar as the fork task; on a hidden problem the right answer is one segment longer
+    h, v = int(ids[(hidden == 1) & (needed == 3)][0]), int(ids[(hidden == 0) & (needed == 3)][0])
+    prompts = fork.prompts_of(fork.problem_digits(torch.tensor([h, h, v, v])))
+    response = _batch(_answer(3), _answer(4), _answer(3), _answer(4))
+    assert extra.verify(response, prompts).tolist() == [-1, 1, 1, -1]
+    assert fork.FORK.verify(response, prompts).tolist() == [1, -1, 1, -1]
+    assert extra.ending(response, prompts).tolist() == [
+        Ending.STOPPED_EARLY,
+        Ending.COMPLETE,
+        Ending.COMPLETE,
+        Ending.OVERSHOT,
+    ]
+    # its data stop where the digit sum says, or go on exactly one segment with probability 0.2
     generator = torch.Generator().manual_seed(0)
     prompts = fork.sample_prompts(4000, generator)
-    response = _batch(*go.warm_start_answers(prompts, generator))
-    needed = fork.segments_needed(prompts.digits)
-    stop = go.stopped_at(response)  # 0 where an answer did not stop at a fork (a slip)
-    reached, stopped = 0, 0
-    for i in range(1, fork.N_SEGMENTS):
-        at_fork = (needed > i) & ((stop == 0) | (stop >= i)) & (go.response_lengths(response) > go.fork_position(i))
-        n, k = int(at_fork.sum()), int((stop[at_fork] == i).sum())
-        assert abs(k / n - 0.5) < 3 * math.sqrt(0.25 / n), (i, k, n)  # within 3 binomial sd at each fork
-        reached, stopped = reached + n, stopped + k
-    assert abs(stopped / reached - 0.5) < 0.03, (stopped, reached)
-    right = go.verify(response, prompts) > 0
-    assert 0.08 < float(right.float().mean()) < 0.13  # 0.5^(k-1) of the answers reach their fork, half without error
-    # the other tasks' data are drawn as before, bit for bit: no draw for an undershoot they do not have
+    response = _batch(*extra.warm_start_answers(prompts, generator))
+    by_sum = fork.segments_needed(prompts.digits)
+    stop = extra.stopped_at(response)  # 0 where an answer slipped
+    stopped = stop > 0
+    assert set((stop[stopped] - by_sum[stopped]).tolist()) == {0, 1}
+    went_on = stopped & (by_sum < fork.N_SEGMENTS)
+    share = float((stop[went_on] > by_sum[went_on]).float().mean())
+    assert abs(share - 0.2) < 0.02, share
+    # the other tasks' data are drawn as before, bit for bit
     for task in (fork.FORK, fork.FORK_STOP):
-        twin = fork.Fork("twin", 30, overshoot_share=task.overshoot_share, undershoot_share=0.0)
+        twin = fork.Fork("twin", 30, overshoot_share=task.overshoot_share)
         a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
         some = fork.sample_prompts(64, torch.Generator().manual_seed(4))
         assert task.warm_start_answers(some, a) == twin.warm_start_answers(some, b)
@@ -344,10 +353,11 @@ def test_the_go_on_task_is_the_fork_task_whose_data_stop_early_at_half_the_forks
     assert model.recipe_key(spec, warm, "fork") == "0f0e897a6ddd7cf8"
     assert model.recipe_key(spec, warm, "fork_long") == "81e24ea2413e5890"
     assert model.recipe_key(spec, warm, "fork_stop") == "89a824dbcb50dd12"
-    assert model.recipe_key(spec, warm, "fork_go") not in {
+    assert model.recipe_key(spec, warm, "fork_extra") not in {
         model.recipe_key(spec, warm, t) for t in ("chain", "fork", "fork_long", "fork_stop")
     }
-    assert tasks.get("fork_go").module is go and tasks.get("fork_go").high_tail
-    assert RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task="fork_go").name == "fork_go_respo_n32_lr3e-04_w0_seed0"
-    with pytest.raises(ValueError, match=r"undershoot_share is a probability below 1, got -0\.1"):
-        fork.Fork("never", 30, undershoot_share=-0.1)
+    assert tasks.get("fork_extra").module is extra and tasks.get("fork_extra").high_tail
+    cfg = RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task="fork_extra")
+    assert cfg.name == "fork_extra_respo_n32_lr3e-04_w0_seed0"
+    with pytest.raises(ValueError, match=r"extra_share is a probability, got 1\.5"):
+        fork.Fork("more", 30, extra_share=1.5)
