@@ -91,6 +91,9 @@ def main() -> None:
     print(f"pooled over seeds {','.join(map(str, seeds))}:", flush=True)
     for (algo, lr), check in pooled.items():
         print(f"  {algo} lr {lr:g} (margin {check.margin:+.3f}): {check.line()}", flush=True)
+        if 0.0 < check.starved_share < 1.0:  # descriptive: what diffusion alone puts above +1 at this starved share
+            yardstick = regime.diffusion_high_tail(check.starved_share)
+            print(f"    a diffusing log W with this starved share: {100 * yardstick:.1f}% above +1", flush=True)
     chosen = protocol.common_regime_rate(pooled, algos)
     if chosen is None:
         print(f"no candidate rate puts {', '.join(algos)} all in the regime", flush=True)
