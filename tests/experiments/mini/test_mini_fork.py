@@ -361,3 +361,9 @@ def test_the_hidden_segment_task_needs_one_more_segment_on_half_the_problems_and
     assert cfg.name == "fork_extra_respo_n32_lr3e-04_w0_seed0"
     with pytest.raises(ValueError, match=r"extra_share is a probability, got 1\.5"):
         fork.Fork("more", 30, extra_share=1.5)
+
+
+def test_problem_ids_invert_problem_digits():
+    ids = torch.arange(fork.N_PROBLEMS)
+    assert torch.equal(fork.problem_ids(fork.problem_digits(ids)), ids)
+    assert fork.problem_ids(torch.tensor([[0, 0, 0], [0, 0, 1], [1, 0, 0], [4, 4, 4]])).tolist() == [0, 1, 25, 124]
