@@ -33,6 +33,16 @@ def _answer(segments: int, v: int = 0) -> list[int]:
     return out
 
 
+def _is_its_own_task(grammar: fork.Fork, earlier: tuple[str, ...]) -> None:
+    """The registry gives ``grammar`` under its name, with the high-tail check, its own recipe key (base models)
+    beside the ``earlier`` tasks', and its runs' names start with its name."""
+    spec, warm = model.ModelSpec(), model.WarmStart(steps=fork.WARM_START_STEPS)
+    assert model.recipe_key(spec, warm, grammar.name) not in {model.recipe_key(spec, warm, t) for t in earlier}
+    assert tasks.get(grammar.name).module is grammar and tasks.get(grammar.name).high_tail
+    cfg = RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task=grammar.name)
+    assert cfg.name == f"{grammar.name}_respo_n32_lr3e-04_w0_seed0"
+
+
 def test_the_digit_sum_sets_the_segments_and_the_length():
     digits = torch.tensor([[0, 0, 0], [1, 1, 1], [2, 1, 1], [1, 2, 2], [3, 2, 1], [3, 3, 1], [4, 4, 0], [4, 4, 4]])
     assert fork.segments_needed(digits).tolist() == [2, 2, 3, 3, 4, 4, 5, 5]  # sums 0, 3, 4, 5, 6, 7, 8, 12
@@ -295,12 +305,7 @@ def test_the_stop_task_is_the_fork_task_whose_data_overshoot_seven_times_in_ten(
     assert keys == {0: "0f0e897a6ddd7cf8", 1: "cef2c5849f8be11d"}
     warm = model.WarmStart(steps=fork.WARM_START_STEPS)
     assert model.recipe_key(spec, warm, "fork_long") == "81e24ea2413e5890"
-    assert model.recipe_key(spec, warm, "fork_stop") not in {
-        model.recipe_key(spec, warm, t) for t in ("chain", "fork", "fork_long")
-    }
-    assert tasks.get("fork_stop").module is stop and tasks.get("fork_stop").high_tail
-    cfg = RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task="fork_stop")
-    assert cfg.name == "fork_stop_respo_n32_lr3e-04_w0_seed0"
+    _is_its_own_task(stop, earlier=("chain", "fork", "fork_long"))
     with pytest.raises(ValueError, match=r"overshoot_share is a probability below 1, got 1\.0"):
         fork.Fork("always", 30, overshoot_share=1.0)
 
@@ -353,12 +358,7 @@ def test_the_hidden_segment_task_needs_one_more_segment_on_half_the_problems_and
     assert model.recipe_key(spec, warm, "fork") == "0f0e897a6ddd7cf8"
     assert model.recipe_key(spec, warm, "fork_long") == "81e24ea2413e5890"
     assert model.recipe_key(spec, warm, "fork_stop") == "89a824dbcb50dd12"
-    assert model.recipe_key(spec, warm, "fork_extra") not in {
-        model.recipe_key(spec, warm, t) for t in ("chain", "fork", "fork_long", "fork_stop")
-    }
-    assert tasks.get("fork_extra").module is extra and tasks.get("fork_extra").high_tail
-    cfg = RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task="fork_extra")
-    assert cfg.name == "fork_extra_respo_n32_lr3e-04_w0_seed0"
+    _is_its_own_task(extra, earlier=("chain", "fork", "fork_long", "fork_stop"))
     with pytest.raises(ValueError, match=r"extra_share is a probability, got 1\.5"):
         fork.Fork("more", 30, extra_share=1.5)
 
