@@ -88,8 +88,9 @@ def update_counts(
 
 
 def diffusion_high_tail(starved_share: float) -> float:
-    """The share above log W = +1 that a log W which only diffuses would give at this share below −1: descriptive, the
-    yardstick beside check 4 (docs/mini.md, "Why the high tail sat at 5 %").
+    """The share above log W = +1 that a log W which only diffuses would give at this share below −1: descriptive,
+    the yardstick beside check 4
+    (docs/mini.md, "Why the high tail sat at 5 %, and what the stop task changes: pre-registered").
 
     If log W is normal and E_μ[W] = 1, its mean is −σ²/2; the share below −1 fixes σ, and σ the share above +1 (a
     share of 19.8 % below gives 4.9 % above, σ = 0.8; no σ gives more than 7.9 %, at σ = √2). The bisection is on σ

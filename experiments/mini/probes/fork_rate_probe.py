@@ -5,9 +5,10 @@ Runs the pair grid's configurations (N = 32, 192 updates, the ``fork`` task or a
 each run's regime line and each (method, rate)'s line pooled over its seeds, with its margin
 (``regime.RegimeCheck.margin``) and, descriptive, the high tail a diffusing log W would give at its starved share
 (``regime.diffusion_high_tail``), then the rate ``protocol.common_regime_rate`` chooses: the one where every
-method holds the four checks with the most room, or none. It prints no score (docs/mini.md, "A common rate for the
-second task, pre-registered"). The runs are the grid's own (same configuration, same names), so a grid run into the
-same ``--out`` later skips those already complete; a probe run again into it skips them too.
+method holds the four checks with the most room, or none. It prints no score
+(docs/mini.md, "A common rate for the second task, pre-registered"). The runs are the grid's own (same
+configuration, same names), so a grid run into the same ``--out`` later skips those already complete; a probe run
+again into it skips them too.
 
 Usage: python experiments/mini/probes/fork_rate_probe.py --out DIR [--task fork] [--lr 3.25e-4,3.5e-4,3.75e-4]
 [--algos respo,vespo] [--seeds 0,1] [--workers 2] [--cache-dir DIR]
