@@ -92,22 +92,16 @@ def diffusion_high_tail(starved_share: float) -> float:
     the yardstick beside check 4
     (docs/mini.md, "Why the high tail sat at 5 %, and what the stop task changes: pre-registered").
 
-    If log W is normal and E_μ[W] = 1, its mean is −σ²/2; the share below −1 fixes σ, and σ the share above +1 (a
-    share of 19.8 % below gives 4.9 % above, σ = 0.8; no σ gives more than 7.9 %, at σ = √2). The bisection is on σ
-    in (0, 10], where the share below −1 rises monotonically from 0 to almost 1; a share of 0 or 1 is an error.
+    If log W is normal and E_μ[W] = 1, its mean is −σ²/2, and the share below −1 is Φ((σ²/2 − 1)/σ) = s. With
+    z = Φ⁻¹(s) that is σ² − 2zσ − 2 = 0, so σ = z + √(z² + 2), and the share above +1 is 1 − Φ((1 + σ²/2)/σ)
+    (19.8 % below gives 4.9 % above, σ = 0.8; no σ gives more than 7.9 %, at σ = √2).
     """
-
-    def below(sigma: float) -> float:
-        return statistics.NormalDist().cdf((-1 + sigma**2 / 2) / sigma)
-
-    if not 0.0 < starved_share < below(10.0):
-        raise ValueError(f"a diffusing log W gives shares below -1 in (0, {below(10.0):.3f}), got {starved_share}")
-    lo, hi = 1e-6, 10.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if below(mid) < starved_share else (lo, mid)
-    sigma = (lo + hi) / 2
-    return 1 - statistics.NormalDist().cdf((1 + sigma**2 / 2) / sigma)
+    if not 0.0 < starved_share < 1.0:
+        raise ValueError(f"a diffusing log W gives shares below -1 in (0, 1), got {starved_share}")
+    normal = statistics.NormalDist()
+    z = normal.inv_cdf(starved_share)
+    sigma = z + math.sqrt(z * z + 2)
+    return 1 - normal.cdf((1 + sigma**2 / 2) / sigma)
 
 
 class Check(enum.Enum):
