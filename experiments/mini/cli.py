@@ -94,11 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--task",
         choices=tasks.NAMES,
         default=tasks.DEFAULT,
-        help=(
-            f"the task (default {tasks.DEFAULT}; fork: know when to stop, both tails of W; fork_long: longer fork;"
-            " fork_stop: fork from a base model that goes on past its stop;"
-            " fork_extra: fork where half the problems need a segment more than the base model knows)"
-        ),
+        help=f"the task (default {tasks.DEFAULT}; fork: know when to stop, both tails of W)",
     )
     parser.add_argument("--moe", action="store_true", help="tiny Qwen3-MoE (4 experts, top-2) instead of dense")
     parser.add_argument(

@@ -1,8 +1,7 @@
 """The miniature's second task, ``fork``: know when to stop, and make no mistake on the way. Both of the paper's
-tails exist on it. :class:`Fork` is the task for a number of words per segment, a share of overshooting answers in
-the warm start's data and a share of problems with a hidden extra segment: :data:`FORK` (30, 0.1, none: the task
-``fork``), :data:`FORK_LONG` (40, 0.1, none: ``fork_long``), :data:`FORK_STOP` (30, 0.7, none: ``fork_stop``) and
-:data:`FORK_EXTRA` (30, 0.2 by one segment, half: ``fork_extra``); everything else is the same.
+tails exist on it. :class:`Fork` is the task for a number of words per segment; :data:`FORK` (30 words) is the task
+``fork``. Three later versions (``fork_long``, ``fork_stop``, ``fork_extra``) gave no verdict and live in the history
+(docs/mini.md, "The second task").
 
 Prompt: the chain task's ``<bos> d_1 d_2 d_3 =`` (``task.py``). Its digit sum sets how many segments the answer
 needs, :func:`segments_needed`: from 2 for the easiest prompts to :data:`N_SEGMENTS` for the hardest. A response is
@@ -56,7 +55,6 @@ from experiments.mini.task import (
     digit,
     held_out_problems,
     problem_digits,
-    problem_ids,
     prompts_of,
     render_tokens,
     sample_prompts,
@@ -76,7 +74,6 @@ __all__ = [
     "digit",
     "held_out_problems",
     "problem_digits",
-    "problem_ids",
     "prompts_of",
     "sample_prompts",
     "sample_training_prompts",
@@ -103,8 +100,6 @@ SLIP_HAZARD = 0.002
 # The warm start's steps (model.WarmStart.steps): half the chain task's 3000, which the chain task's regime also
 # held with (docs/mini.md, "How the task got here"), so that a fresh warm start takes minutes, not a quarter hour.
 WARM_START_STEPS = 1500
-# The seed of the draw of the problems with a hidden extra segment (``Fork.extra_share``).
-EXTRA_SEED = 35433
 
 
 def word(step: int | torch.Tensor, v: int | torch.Tensor) -> int | torch.Tensor:
@@ -162,32 +157,13 @@ class Fork:
     problem_digits = staticmethod(problem_digits)
     held_out_problems = staticmethod(held_out_problems)
 
-    def __init__(
-        self,
-        name: str,
-        segment_steps: int,
-        overshoot_share: float = OVERSHOOT_SHARE,
-        extra_share: float = 0.0,
-        overshoot_to_last: bool = True,
-    ) -> None:
+    def __init__(self, name: str, segment_steps: int) -> None:
         if segment_steps < 2:
             raise ValueError(
                 f"a segment needs at least 2 words (a mistake is a word of another step), got {segment_steps}"
             )
-        if not 0.0 <= overshoot_share < 1.0:
-            raise ValueError(f"overshoot_share is a probability below 1, got {overshoot_share}")
         self.name = name
         self.SEGMENT_STEPS = segment_steps
-        self.overshoot_share = overshoot_share
-        if not 0.0 <= extra_share <= 1.0:
-            raise ValueError(f"extra_share is a probability, got {extra_share}")
-        self.extra_share = extra_share
-        self.overshoot_to_last = overshoot_to_last
-        # The problems whose right answer has one segment more than their digit sum says (none when extra_share is
-        # 0): a fixed draw, the same for every run, among the problems that need fewer than N_SEGMENTS.
-        draw = torch.rand(N_PROBLEMS, generator=torch.Generator().manual_seed(EXTRA_SEED)) < extra_share
-        ids = torch.arange(N_PROBLEMS)
-        self._extra = draw & (segments_needed(problem_digits(ids)) < N_SEGMENTS)  # (N_PROBLEMS,)
         self.N_STEPS = N_SEGMENTS * segment_steps
         self.SEGMENT_LEN = segment_steps + 1  # its words and the fork after them
         self.MAX_RESPONSE_LEN = 1 + N_SEGMENTS * self.SEGMENT_LEN  # ":", then every segment
@@ -196,15 +172,7 @@ class Fork:
         self._last_fork = self.fork_position(N_SEGMENTS)
 
     def __repr__(self) -> str:
-        return (
-            f"Fork({self.name!r}, segment_steps={self.SEGMENT_STEPS}, overshoot_share={self.overshoot_share},"
-            f" extra_share={self.extra_share}, overshoot_to_last={self.overshoot_to_last})"
-        )
-
-    def segments_right(self, digits: torch.Tensor) -> torch.Tensor:
-        """(P,) segments the right answer has for prompts with these (P, N_DIGITS) digits: :func:`segments_needed`,
-        plus one on the problems of the hidden extra segment (``extra_share``)."""
-        return segments_needed(digits) + self._extra[problem_ids(digits)].long()
+        return f"Fork({self.name!r}, segment_steps={self.SEGMENT_STEPS})"
 
     def fork_position(self, segment: int | torch.Tensor) -> int | torch.Tensor:
         """Response position (0-based) of the fork after segment ``segment`` (1-based)."""
@@ -290,7 +258,7 @@ class Fork:
             )
         if prompts.digits.shape[0] != response.shape[0]:
             raise ValueError(f"verify got {response.shape[0]} responses but {prompts.digits.shape[0]} prompts")
-        right = self.stopped_at(response) == self.segments_right(prompts.digits)  # (B,)
+        right = self.stopped_at(response) == segments_needed(prompts.digits)  # (B,)
         return torch.where(right & ~self._has_mistake(response), 1.0, -1.0)
 
     def _has_mistake(self, response: torch.Tensor) -> torch.Tensor:
@@ -311,7 +279,7 @@ class Fork:
     def ending(self, response: torch.Tensor, prompts: Prompts) -> torch.Tensor:
         """(B,) how each response ended, an :class:`Ending` value per row."""
         lengths, last = self._last_tokens(response)  # (B,), (B,)
-        needed = self.segments_right(prompts.digits)  # (B,)
+        needed = segments_needed(prompts.digits)  # (B,)
         stop = self.stopped_at(response)  # (B,)
         rows = torch.arange(response.shape[0])
         position = self.fork_position(needed)  # (B,)
@@ -338,16 +306,15 @@ class Fork:
         return out
 
     def warm_start_answer(self, needed: int, generator: torch.Generator) -> list[int]:
-        """One answer of the warm start's data for a prompt whose digit sum says ``needed`` segments (the data do not
-        know a hidden extra segment): it goes on past that fork with probability ``overshoot_share`` (where there is
-        a next segment), to the last segment or, without ``overshoot_to_last``, one segment further; at each step it
+        """One answer of the warm start's data for a prompt that needs ``needed`` segments: it goes on past that fork
+        to the last segment with probability :data:`OVERSHOOT_SHARE` (where there is a next segment); at each step it
         makes a mistake with probability :data:`MISTAKE_HAZARD` (a uniform word of another step of the segment) and
         goes on, and it slips with probability :data:`SLIP_HAZARD` (a uniform word of a step of another segment,
         where the answer is cut off: the data have no word after a slip)."""
         seg = self.SEGMENT_STEPS
         segments = needed
-        if needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < self.overshoot_share:
-            segments = N_SEGMENTS if self.overshoot_to_last else needed + 1
+        if needed < N_SEGMENTS and float(torch.rand((), generator=generator)) < OVERSHOOT_SHARE:
+            segments = N_SEGMENTS
         full = self.answer(needed, segments, generator)
         steps = (len(full) - 1) // self.SEGMENT_LEN * seg
         draw = torch.rand(steps, generator=generator)  # (steps,)
@@ -375,31 +342,11 @@ class Fork:
         return {
             "name": self.name,
             "segments": [MIN_SEGMENTS, N_SEGMENTS, self.SEGMENT_STEPS, WORDS_PER_STEP, *SEGMENT_SUMS],
-            # the knobs the first tasks did not have enter only where set, so that their keys are the shipped ones
-            "data": [self.overshoot_share, MISTAKE_HAZARD, SLIP_HAZARD]
-            + ([self.extra_share, EXTRA_SEED] if self.extra_share else [])
-            + ([] if self.overshoot_to_last else ["overshoot one segment"]),
+            "data": [OVERSHOOT_SHARE, MISTAKE_HAZARD, SLIP_HAZARD],
             "vocab": self.VOCAB_SIZE,
         }
 
 
 # The second task (version E, docs/mini.md "The second task"): 30 words per segment, 156 tokens at most.
 FORK = Fork("fork", 30)
-# The same task with 40 words per segment (206 tokens at most): the starved positives' drift spread over more
-# tokens (docs/mini.md, "The long fork task").
-FORK_LONG = Fork("fork_long", 40)
-# The same task whose base model goes on past the fork where it should stop most of the time: the warm start's data
-# overshoot with probability 0.7 instead of 0.1. RL must learn where to stop, and as it does, every answer that stops
-# right gains weight, the wrong ones with a mistake among them: negatives the policy comes to prefer, meant to make
-# the paper's high tail. Measured, it does not: the stop is learned before the first rollout batch's stale half, and
-# the high tail stays near 5 % (docs/mini.md, "The stop task").
-FORK_STOP = Fork("fork_stop", 30, overshoot_share=0.7)
-# The same task where half the problems (a fixed draw, among those that need fewer than five segments) need one
-# segment more than their digit sum says, which the warm start's data do not know: they stop where the digit sum
-# says, or go on one segment further with probability 0.2. Going on is right on those problems and wrong on the
-# others, so RL makes more of it than it should on the others: a long wrong mode that the policy over-generates
-# (docs/mini.md, "The hidden-segment task"). Measured, it does, and the high tail stays at or below what a diffusing
-# log W gives: no learning rate puts ReSPO's and VESPO's runs both in the regime.
-FORK_EXTRA = Fork("fork_extra", 30, overshoot_share=0.2, extra_share=0.5, overshoot_to_last=False)
-FORKS = (FORK, FORK_LONG, FORK_STOP, FORK_EXTRA)
 NAME = FORK.name

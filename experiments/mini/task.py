@@ -118,12 +118,6 @@ def problem_digits(ids: torch.Tensor) -> torch.Tensor:
     return ids.unsqueeze(1) // powers % base
 
 
-def problem_ids(digits: torch.Tensor) -> torch.Tensor:
-    """(P, N_DIGITS) digits → (P,) problem ids, the inverse of :func:`problem_digits`."""
-    base = MAX_DIGIT + 1
-    return (digits * base ** torch.arange(N_DIGITS - 1, -1, -1)).sum(dim=1)
-
-
 def held_out_problems() -> torch.Tensor:
     """The ids of the :data:`N_HELD_OUT` problems a held-out run never trains on, one fixed draw for every run."""
     return torch.randperm(N_PROBLEMS, generator=torch.Generator().manual_seed(HELD_OUT_SEED))[:N_HELD_OUT].sort().values

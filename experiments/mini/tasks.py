@@ -1,7 +1,6 @@
-"""The miniature's tasks, by name: ``chain`` (``task.py``, the default), ``fork``, ``fork_long``, ``fork_stop`` and
-``fork_extra`` (``fork.py``).
+"""The miniature's tasks, by name: ``chain`` (``task.py``, the default) and ``fork`` (``fork.py``).
 
-A task is a module (for the fork tasks, a ``fork.Fork``) with one interface: the special tokens (``PAD``, ``BOS``,
+A task is a module (for the fork task, a ``fork.Fork``) with one interface: the special tokens (``PAD``, ``BOS``,
 ``EOS``), ``VOCAB_SIZE``, ``PROMPT_LEN``, ``MAX_RESPONSE_LEN``, ``sample_prompts``, ``breaks_grammar``,
 ``response_lengths``, ``steps_written``, ``Ending``. What differs between the two is adapted here, in :class:`Task`,
 and nowhere else: whether the verifier and the endings read the prompt (the fork task's right length depends on it),
@@ -23,7 +22,7 @@ if TYPE_CHECKING:  # the tasks import torch; the CLI checks a task's name before
     from experiments.mini.task import Prompts
 
 DEFAULT = "chain"
-NAMES = ("chain", "fork", "fork_long", "fork_stop", "fork_extra")
+NAMES = ("chain", "fork")
 
 
 @dataclass(frozen=True)
@@ -82,12 +81,12 @@ def _chain() -> Task:
     )
 
 
-def _fork(name: str) -> Task:
+def _fork() -> Task:
     from experiments.mini import fork
 
-    grammar = {g.name: g for g in fork.FORKS}[name]
+    grammar = fork.FORK
     return Task(
-        name=name,
+        name=grammar.name,
         module=grammar,
         ending_metrics=dict(fork.ENDING_METRICS),
         high_tail=True,
@@ -99,7 +98,7 @@ def _fork(name: str) -> Task:
     )
 
 
-_BUILDERS = {"chain": _chain, **{name: functools.partial(_fork, name) for name in NAMES[1:]}}
+_BUILDERS = {"chain": _chain, "fork": _fork}
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """A common rate for the second task: the regime of ReSPO's and VESPO's runs at each candidate rate, and no score.
 
-Runs the pair grid's configurations (N = 32, 192 updates, the ``fork`` task or another fork task given by
-``--task``, from the shipped base models, else trained and cached) for each method × candidate rate × seed, prints
+Runs the pair grid's configurations (N = 32, 192 updates, the ``fork`` task, from the shipped base models, else
+trained and cached) for each method × candidate rate × seed, prints
 each run's regime line and each (method, rate)'s line pooled over its seeds, with its margin
 (``regime.RegimeCheck.margin``) and, descriptive, the high tail a diffusing log W would give at its starved share
 (``regime.diffusion_high_tail``), then the rate ``protocol.common_regime_rate`` chooses: the one where every

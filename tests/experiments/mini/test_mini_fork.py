@@ -33,16 +33,6 @@ def _answer(segments: int, v: int = 0) -> list[int]:
     return out
 
 
-def _is_its_own_task(grammar: fork.Fork, earlier: tuple[str, ...]) -> None:
-    """The registry gives ``grammar`` under its name, with the high-tail check, its own recipe key (base models)
-    beside the ``earlier`` tasks', and its runs' names start with its name."""
-    spec, warm = model.ModelSpec(), model.WarmStart(steps=fork.WARM_START_STEPS)
-    assert model.recipe_key(spec, warm, grammar.name) not in {model.recipe_key(spec, warm, t) for t in earlier}
-    assert tasks.get(grammar.name).module is grammar and tasks.get(grammar.name).high_tail
-    cfg = RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task=grammar.name)
-    assert cfg.name == f"{grammar.name}_respo_n32_lr3e-04_w0_seed0"
-
-
 def test_the_digit_sum_sets_the_segments_and_the_length():
     digits = torch.tensor([[0, 0, 0], [1, 1, 1], [2, 1, 1], [1, 2, 2], [3, 2, 1], [3, 3, 1], [4, 4, 0], [4, 4, 4]])
     assert fork.segments_needed(digits).tolist() == [2, 2, 3, 3, 4, 4, 5, 5]  # sums 0, 3, 4, 5, 6, 7, 8, 12
@@ -157,12 +147,10 @@ def test_warm_start_data_err_at_their_rates():
 
 
 def test_registry_selects_the_task_and_names_its_runs():
-    assert tasks.NAMES == ("chain", "fork", "fork_long", "fork_stop", "fork_extra") and tasks.DEFAULT == "chain"
+    assert tasks.NAMES == ("chain", "fork") and tasks.DEFAULT == "chain"
     assert tasks.get("fork").module is fork.FORK and tasks.get("fork").high_tail
     assert not tasks.get("chain").high_tail
-    with pytest.raises(
-        ValueError, match="unknown task 'forks'; the tasks are chain, fork, fork_long, fork_stop, fork_extra"
-    ):
+    with pytest.raises(ValueError, match="unknown task 'forks'; the tasks are chain, fork"):
         tasks.get("forks")
     chain_run = RunConfig("respo", 32, 0, 192, 128, lr=4e-4)
     assert chain_run.name == "respo_n32_lr4e-04_w0_seed0"  # the chain task's names are unchanged
@@ -170,13 +158,17 @@ def test_registry_selects_the_task_and_names_its_runs():
 
 
 def test_the_tasks_have_their_own_base_models():
-    """The fork task's recipe key differs from the chain task's; the chain task's key is its shipped models'."""
+    """The fork task's recipe key differs from the chain task's; each task's keys are its shipped models'."""
     spec, warm = model.ModelSpec(), model.WarmStart()
     assert model.recipe_key(spec, warm) == "6c5df195f4c7753f"
     assert model.recipe_key(spec, warm, "fork") != model.recipe_key(spec, warm)
+    keys = {w: model.recipe_key(spec, model.WarmStart(seed=w, steps=fork.WARM_START_STEPS), "fork") for w in (0, 1)}
+    assert keys == {0: "0f0e897a6ddd7cf8", 1: "cef2c5849f8be11d"}
     net = model.build_model(spec, 0, "fork")
     assert net.config.vocab_size == fork.FORK.VOCAB_SIZE
     assert net.config.max_position_embeddings == fork.PROMPT_LEN + fork.FORK.MAX_RESPONSE_LEN
+    with pytest.raises(ValueError, match="a segment needs at least 2 words"):
+        fork.Fork("tiny", 1)
 
 
 def test_the_second_tasks_comparison_grid(tmp_path):
@@ -244,126 +236,3 @@ def test_the_rate_probe_runs_the_pair_grids_own_configurations(tmp_path):
     names = {c.name for c in fork_rate_probe.configs(["respo"], list(protocol.FORK_RATE_CANDIDATES), [0])}
     assert names == {"fork_respo_n32_lr3.25e-04_w0_seed0", "fork_respo_n32_lr3.5e-04_w0_seed0",
                      "fork_respo_n32_lr3.75e-04_w0_seed0"}  # fmt: skip
-
-
-def test_the_long_fork_task_is_the_fork_task_with_40_words_per_segment():
-    long = fork.FORK_LONG
-    assert (long.SEGMENT_STEPS, long.SEGMENT_LEN, long.MAX_RESPONSE_LEN) == (40, 41, 206)
-    assert long.VOCAB_SIZE == fork.WORD_BASE + 5 * 40 * fork.WORDS_PER_STEP
-    generator = torch.Generator().manual_seed(0)
-    right = long.answer(2, 2, generator)
-    assert len(right) == 83 and right[41] == GO and right[82] == EOS
-    full = long.answer(5, 5, generator)
-    mistaken = list(full)
-    mistaken[long.position_of_step(45)] = word(44, 0)  # step 45's place (the 2nd segment's 6th), step 44's word
-    response = torch.full((3, long.MAX_RESPONSE_LEN), PAD)
-    for i, row in enumerate((right, full, mistaken)):
-        response[i, : len(row)] = torch.tensor(row)
-    prompts = _prompts((0, 0, 0), (4, 4, 4), (4, 4, 4))
-    assert long.verify(response, prompts).tolist() == [1, 1, -1]
-    assert long.ending(response, prompts).tolist() == [Ending.COMPLETE, Ending.COMPLETE, Ending.MISTAKE]
-    assert long.steps_written(response).tolist() == [80, 200, 200]
-    # the fork after 40 words, not 30: at S = 30 the 31st position is a fork, here a word
-    assert not bool(long.breaks_grammar(torch.tensor([word(30, 1)]), 31)) and fork.FORK.breaks_grammar(
-        torch.tensor([word(30, 1)]), 31
-    )
-    # its own task, base models and run names; the fork task's recipe is unchanged
-    spec, warm = model.ModelSpec(), model.WarmStart(steps=fork.WARM_START_STEPS)
-    assert tasks.get("fork_long").module is long and tasks.get("fork_long").high_tail
-    assert model.recipe_key(spec, warm, "fork") == "0f0e897a6ddd7cf8"  # the shipped base model of warm seed 0
-    assert model.recipe_key(spec, warm, "fork_long") not in {model.recipe_key(spec, warm, t) for t in ("chain", "fork")}
-    cfg = RunConfig("respo", 32, 0, 192, 128, lr=3e-4, task="fork_long")
-    assert cfg.name == "fork_long_respo_n32_lr3e-04_w0_seed0"
-    with pytest.raises(ValueError, match="a segment needs at least 2 words"):
-        fork.Fork("tiny", 1)
-
-
-def test_the_stop_task_is_the_fork_task_whose_data_overshoot_seven_times_in_ten():
-    stop = fork.FORK_STOP
-    assert (stop.SEGMENT_STEPS, stop.MAX_RESPONSE_LEN, stop.VOCAB_SIZE) == (30, 156, fork.FORK.VOCAB_SIZE)
-    assert (stop.overshoot_share, fork.FORK.overshoot_share, fork.FORK_LONG.overshoot_share) == (0.7, 0.1, 0.1)
-    # the same grammar and verifier as the fork task
-    response = _batch(_answer(2), _answer(5), _answer(3))
-    prompts = _prompts((0, 0, 0), (0, 0, 0), (2, 1, 1))
-    assert stop.verify(response, prompts).tolist() == fork.FORK.verify(response, prompts).tolist() == [1, -1, 1]
-    assert stop.ending(response, prompts).tolist() == [Ending.COMPLETE, Ending.OVERSHOT, Ending.COMPLETE]
-    # its data go on at the fork where they should stop at its own share, and then to the last segment
-    generator = torch.Generator().manual_seed(0)
-    prompts = fork.sample_prompts(3000, generator)
-    response = _batch(*stop.warm_start_answers(prompts, generator))
-    needed = fork.segments_needed(prompts.digits)
-    lengths = stop.response_lengths(response)
-    rows = torch.arange(len(needed))
-    reached = (needed < fork.N_SEGMENTS) & (lengths > stop.fork_position(needed))
-    went_on = response[rows, stop.fork_position(needed).clamp(max=stop.MAX_RESPONSE_LEN - 1)] == GO
-    assert abs(float(went_on[reached].float().mean()) - 0.7) < 0.03
-    overshot = (stop.ending(response, prompts) == Ending.OVERSHOT) & (stop.stopped_at(response) > 0)
-    assert bool((lengths[overshot] == 156).all()) and int(overshot.sum()) > 500  # 593: most of the rest have a mistake
-    # its own task, base models and run names; the other fork tasks' recipes (their shipped models) are unchanged
-    spec = model.ModelSpec()
-    keys = {w: model.recipe_key(spec, model.WarmStart(seed=w, steps=fork.WARM_START_STEPS), "fork") for w in (0, 1)}
-    assert keys == {0: "0f0e897a6ddd7cf8", 1: "cef2c5849f8be11d"}
-    warm = model.WarmStart(steps=fork.WARM_START_STEPS)
-    assert model.recipe_key(spec, warm, "fork_long") == "81e24ea2413e5890"
-    _is_its_own_task(stop, earlier=("chain", "fork", "fork_long"))
-    with pytest.raises(ValueError, match=r"overshoot_share is a probability below 1, got 1\.0"):
-        fork.Fork("always", 30, overshoot_share=1.0)
-
-
-def test_the_hidden_segment_task_needs_one_more_segment_on_half_the_problems_and_its_data_do_not_know():
-    extra = fork.FORK_EXTRA
-    assert (extra.SEGMENT_STEPS, extra.MAX_RESPONSE_LEN, extra.VOCAB_SIZE) == (30, 156, fork.FORK.VOCAB_SIZE)
-    assert (extra.extra_share, extra.overshoot_share, extra.overshoot_to_last) == (0.5, 0.2, False)
-    assert {(t.extra_share, t.overshoot_to_last) for t in (fork.FORK, fork.FORK_LONG, fork.FORK_STOP)} == {(0.0, True)}
-    # the hidden problems: a fixed half of those that need fewer than five segments by their digit sum, none of the rest
-    ids = torch.arange(fork.N_PROBLEMS)
-    digits = fork.problem_digits(ids)
-    needed = fork.segments_needed(digits)
-    hidden = extra.segments_right(digits) - needed  # (N_PROBLEMS,) 0 or 1
-    assert set(hidden.tolist()) == {0, 1} and int(hidden[needed == fork.N_SEGMENTS].sum()) == 0
-    assert int(hidden.sum()) == 45 and int((needed < fork.N_SEGMENTS).sum()) == 90  # 45 of 90: the draw's half
-    assert torch.equal(fork.FORK.segments_right(digits), needed)
-    # the same grammar as the fork task; on a hidden problem the right answer is one segment longer
-    h, v = int(ids[(hidden == 1) & (needed == 3)][0]), int(ids[(hidden == 0) & (needed == 3)][0])
-    prompts = fork.prompts_of(fork.problem_digits(torch.tensor([h, h, v, v])))
-    response = _batch(_answer(3), _answer(4), _answer(3), _answer(4))
-    assert extra.verify(response, prompts).tolist() == [-1, 1, 1, -1]
-    assert fork.FORK.verify(response, prompts).tolist() == [1, -1, 1, -1]
-    assert extra.ending(response, prompts).tolist() == [
-        Ending.STOPPED_EARLY,
-        Ending.COMPLETE,
-        Ending.COMPLETE,
-        Ending.OVERSHOT,
-    ]
-    # its data stop where the digit sum says, or go on exactly one segment with probability 0.2
-    generator = torch.Generator().manual_seed(0)
-    prompts = fork.sample_prompts(4000, generator)
-    response = _batch(*extra.warm_start_answers(prompts, generator))
-    by_sum = fork.segments_needed(prompts.digits)
-    stop = extra.stopped_at(response)  # 0 where an answer slipped
-    stopped = stop > 0
-    assert set((stop[stopped] - by_sum[stopped]).tolist()) == {0, 1}
-    went_on = stopped & (by_sum < fork.N_SEGMENTS)
-    share = float((stop[went_on] > by_sum[went_on]).float().mean())
-    assert abs(share - 0.2) < 0.02, share
-    # the other tasks' data are drawn as before, bit for bit
-    for task in (fork.FORK, fork.FORK_STOP):
-        twin = fork.Fork("twin", 30, overshoot_share=task.overshoot_share)
-        a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-        some = fork.sample_prompts(64, torch.Generator().manual_seed(4))
-        assert task.warm_start_answers(some, a) == twin.warm_start_answers(some, b)
-    # its own base models and run names; the other fork tasks' recipe keys (their shipped models) are unchanged
-    spec = model.ModelSpec()
-    warm = model.WarmStart(steps=fork.WARM_START_STEPS)
-    assert model.recipe_key(spec, warm, "fork") == "0f0e897a6ddd7cf8"
-    assert model.recipe_key(spec, warm, "fork_long") == "81e24ea2413e5890"
-    assert model.recipe_key(spec, warm, "fork_stop") == "89a824dbcb50dd12"
-    _is_its_own_task(extra, earlier=("chain", "fork", "fork_long", "fork_stop"))
-    with pytest.raises(ValueError, match=r"extra_share is a probability, got 1\.5"):
-        fork.Fork("more", 30, extra_share=1.5)
-
-
-def test_problem_ids_invert_problem_digits():
-    ids = torch.arange(fork.N_PROBLEMS)
-    assert torch.equal(fork.problem_ids(fork.problem_digits(ids)), ids)
-    assert fork.problem_ids(torch.tensor([[0, 0, 0], [0, 0, 1], [1, 0, 0], [4, 4, 4]])).tolist() == [0, 1, 25, 124]

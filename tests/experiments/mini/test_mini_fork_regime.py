@@ -49,18 +49,16 @@ def test_high_tail_counts_by_hand():
     assert "log W > +1" not in without.line()
 
 
-@pytest.mark.parametrize("task", [g.name for g in fork.FORKS])
-def test_each_fork_task_ships_its_base_models(task):
+def test_the_fork_task_ships_its_base_models():
     spec = model_lib.ModelSpec()
-    grammar = {g.name: g for g in fork.FORKS}[task]
     for w in range(protocol.N_WARM_STARTS):
         warm = model_lib.WarmStart(seed=w, steps=fork.WARM_START_STEPS)
-        path = model_lib.shipped_path(spec, warm, task)
+        path = model_lib.shipped_path(spec, warm, fork.NAME)
         assert path.is_file(), (
-            f"warm seed {w}: {path} is missing (`python -m experiments.mini --task {task} --train-base`)"
+            f"warm seed {w}: {path} is missing (`python -m experiments.mini --task {fork.NAME} --train-base`)"
         )
-        net, origin = model_lib.warm_start(spec, warm, cache_dir=None, task_name=task)
-        assert origin.startswith("shipped") and net.config.vocab_size == grammar.VOCAB_SIZE, origin
+        net, origin = model_lib.warm_start(spec, warm, cache_dir=None, task_name=fork.NAME)
+        assert origin.startswith("shipped") and net.config.vocab_size == fork.FORK.VOCAB_SIZE, origin
 
 
 def _run(tmp_path, reuse: int, updates: int, lr: float = FORK_LR):
