@@ -82,14 +82,14 @@ def preload(algos: list[str]) -> None:
 
     import torch
 
-    from respo_verl.verl import experiment
+    from experiments.mini import verl_adapter
 
     logging.disable(logging.WARNING)
     try:
         for algo in algos:
-            setup = experiment.load_algorithm(algo)
+            setup = verl_adapter.load_algorithm(algo)
             mask = torch.ones(2, 1, dtype=torch.bool)
-            experiment.compute_advantages(setup, torch.tensor([[1.0], [-1.0]]), mask, ["a", "a"])
+            verl_adapter.compute_advantages(setup, torch.tensor([[1.0], [-1.0]]), mask, ["a", "a"])
     finally:
         logging.disable(logging.NOTSET)
 

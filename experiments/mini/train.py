@@ -4,7 +4,7 @@ The schedule is the paper's (arXiv 2609.35433): each training step (``collect``)
 P prompts × G responses from the current policy, scores it with the verifier, computes GRPO advantages with verl's
 ``compute_advantage`` and recomputes π_old once (no gradient); then N mini-batches of P/N prompts are applied one
 after another (``update``, ppo_epochs 1), so the j-th mini-batch is j−1 optimizer steps stale. Each update calls the
-preset's loss from verl's registry (``respo_verl.verl.experiment``) and steps AdamW.
+preset's loss from verl's registry (``experiments.mini.verl_adapter``) and steps AdamW.
 
 Logging (verl's file-logger format): one JSON line ``{"step": <optimizer step>, "data": {...}}`` per optimizer step,
 ``step`` counting optimizer steps from 1; ``data["training/global_step"]`` is verl's training step (rollout batch,
@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import torch
 
-from experiments.mini import regime, tasks
+from experiments.mini import regime, tasks, verl_adapter
 from experiments.mini.rollout import Rollout, response_log_prob, response_log_prob_no_grad, sample
 from respo_verl.core import kernel_diagnostics
 from respo_verl.core.config import DEFAULT_LOG_W_CLIP
@@ -32,7 +32,6 @@ from respo_verl.core.diagnostics import diagnostic_keys
 from respo_verl.core.kernels import sequence_log_weight
 from respo_verl.core.losses import KernelTerms
 from respo_verl.routing.hf import RoutingReplay
-from respo_verl.verl import experiment
 
 # The sequence log-weight is clamped to ±20 by every kernel; the diagnostics use the same clamp.
 LOG_W_CLIP = DEFAULT_LOG_W_CLIP
@@ -284,7 +283,7 @@ class _RunState:
     """What persists across the updates of a run."""
 
     cfg: RunConfig
-    setup: experiment.AlgorithmSetup
+    setup: verl_adapter.AlgorithmSetup
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     replay: RoutingReplay | None
@@ -308,7 +307,7 @@ def collect(state: _RunState, training_step: int) -> RolloutBatch:
     token_level_rewards = torch.zeros(mask.shape)  # (B, T)
     token_level_rewards[torch.arange(mask.shape[0]), mask.sum(dim=1) - 1] = reward
     uids = [f"{training_step}-{i // cfg.group_size}" for i in range(mask.shape[0])]
-    advantages = experiment.compute_advantages(state.setup, token_level_rewards, mask, uids)  # (B, T)
+    advantages = verl_adapter.compute_advantages(state.setup, token_level_rewards, mask, uids)  # (B, T)
     t1 = time.perf_counter()
     routes = None
     with torch.no_grad():
@@ -351,8 +350,8 @@ def update(
         with state.replay.replay(mb_routes, token_mask=tokens):
             log_prob = response_log_prob(model, mb)  # (b, T)
     log_prob.retain_grad()
-    experiment.set_global_batch_info(state.setup.actor_config, int(mb_mask.sum()), mb_mask.shape[0])
-    pg_loss, loss_metrics = experiment.policy_loss(state.setup, old_log_prob, log_prob, advantages, mb_mask)
+    verl_adapter.set_global_batch_info(state.setup.actor_config, int(mb_mask.sum()), mb_mask.shape[0])
+    pg_loss, loss_metrics = verl_adapter.policy_loss(state.setup, old_log_prob, log_prob, advantages, mb_mask)
     optimizer.zero_grad(set_to_none=True)
     pg_loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP))
@@ -427,7 +426,7 @@ def train(
     """
     import copy
 
-    setup = experiment.load_algorithm(cfg.algorithm)
+    setup = verl_adapter.load_algorithm(cfg.algorithm)
     model = copy.deepcopy(base_model).train()
     torch.manual_seed(cfg.seed)
     state = _RunState(

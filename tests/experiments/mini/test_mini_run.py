@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from experiments.mini import model as model_lib
-from experiments.mini import protocol, regime, task
+from experiments.mini import protocol, regime, task, verl_adapter
 from experiments.mini.train import RunConfig, UpdateEvent, train
-from respo_verl.verl import experiment
 
 TIMING_KEYS = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "mini/wall_time_s")
 TINY_WARM = model_lib.WarmStart(steps=3, batch_size=16)
@@ -196,7 +195,7 @@ def test_update_event_carries_the_updated_policy_and_a_forward_with_it_leaves_th
 def test_losses_are_verls_registered_functions(algorithm, loss_mode, agg_mode):
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    setup = experiment.load_algorithm(algorithm)
+    setup = verl_adapter.load_algorithm(algorithm)
     assert setup.loss_mode == loss_mode
     assert setup.policy_loss_fn is POLICY_LOSS_REGISTRY[loss_mode]
     assert setup.loss_agg_mode == agg_mode
@@ -271,7 +270,7 @@ def test_advantages_are_verls_grpo():
     uids = ["a"] * 4 + ["b"] * 4
     expected = group_relative_advantage(rewards, mask, uids).adv_tok
     for algorithm in ("grpo", "respo"):
-        got = experiment.compute_advantages(experiment.load_algorithm(algorithm), rewards, mask, uids)
+        got = verl_adapter.compute_advantages(verl_adapter.load_algorithm(algorithm), rewards, mask, uids)
         assert torch.equal(got, expected)
 
 

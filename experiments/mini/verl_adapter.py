@@ -1,4 +1,5 @@
-"""verl-facing adapter for experiments that run the update step outside verl's trainer (``respo-verl mini``).
+"""verl-facing adapter of the miniature (``python -m experiments.mini``), which runs the update step outside verl's
+trainer.
 
 Everything an experiment needs from verl, and nothing else: the actor dataclass composed from one of our algorithm
 presets (``algorithm=grpo|gspo|vespo|respo`` of ``respo_trainer``, exactly as the trainer builds it), the policy loss
