@@ -146,16 +146,76 @@ class _Shares:
     layers: int  # transformer layers on this GPU's stage
 
 
+@dataclass(frozen=True)
+class ChunkShare:
+    """Parameters of one model chunk on one rank: dense (non-expert) and expert elements."""
+
+    dense: int
+    expert: int
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """The planner's parameters of one rank of a pipeline stage, per model chunk (VPP), and what they cost."""
+
+    chunks: tuple[ChunkShare, ...]
+    layers: int
+
+    @property
+    def dense(self) -> int:
+        return sum(c.dense for c in self.chunks)
+
+    @property
+    def expert(self) -> int:
+        return sum(c.expert for c in self.chunks)
+
+    @staticmethod
+    def weight_bytes(params: int) -> int:
+        return BF16_BYTES * params
+
+    @staticmethod
+    def grad_bytes(params: int) -> int:
+        return MEGATRON_GRAD_BYTES * params
+
+    @staticmethod
+    def optimizer_share(params: int, dp: int) -> int:
+        """Elements of ``params`` one rank's distributed-optimizer shard holds (unpadded, rounded down)."""
+        return params // max(dp, 1)
+
+
+def megatron_rank_figures(m: ModelShape, lay: Layout, pp_rank: int) -> RankFigures:
+    """Parameters a rank of pipeline stage ``pp_rank`` holds, per model chunk.
+
+    Chunk v of stage p holds layers [(v·PP + p)·n, (v·PP + p + 1)·n), n = L / (PP·VPP) (megatron's interleaved
+    assignment; VPP = 1 without it). The projections and dense MLPs are split over TP, norms and routers are not
+    (:meth:`ModelShape.layer_params_on_tp_rank`); experts are split over EP·ETP. The embedding is on the first chunk
+    of the first stage, the output layer and final norm on the last chunk of the last stage; with tied embeddings
+    and PP > 1 the last stage holds its own copy of the output weight (megatron's shared-embedding rule). Exact when
+    the layers divide PP·VPP and every layer has the same kind (dense or MoE); otherwise the layer terms are averaged
+    and rounded.
+    """
+    vpp = lay.vpp or 1
+    per_chunk = m.num_layers / (lay.pp * vpp)
+    dense_layer = m.layer_params_on_tp_rank(lay.tp)
+    expert_layer = m.total_expert_params / m.num_layers / (lay.ep * lay.etp)
+    chunks = []
+    for v in range(vpp):
+        dense = per_chunk * dense_layer
+        if pp_rank == 0 and v == 0:
+            dense += m.embedding_params / lay.tp
+        if pp_rank == lay.pp - 1 and v == vpp - 1:
+            own_output = not m.tie_word_embeddings or lay.pp > 1
+            output_weight = m.vocab_size * m.hidden_size if own_output else 0
+            dense += output_weight / lay.tp + m.hidden_size  # the final norm is replicated over TP
+        chunks.append(ChunkShare(dense=round(dense), expert=round(per_chunk * expert_layer)))
+    return RankFigures(chunks=tuple(chunks), layers=math.ceil(m.num_layers / lay.pp))
+
+
 def _megatron_shares(m: ModelShape, lay: Layout) -> _Shares:
-    layers = math.ceil(m.num_layers / lay.pp)
-    frac = layers / m.num_layers
-    non_expert_layers = m.total_non_expert_layer_params * frac / lay.tp
-    experts = m.total_expert_params * frac / (lay.ep * lay.etp)
-    if lay.pp == 1:
-        ends = (m.embedding_params + m.output_params) / lay.tp
-    else:
-        ends = max(m.embedding_params, m.output_params) / lay.tp
-    return _Shares(dense=non_expert_layers + ends, expert=experts, layers=layers)
+    """The most loaded pipeline stage (most parameters) of :func:`megatron_rank_figures`."""
+    stages = [megatron_rank_figures(m, lay, p) for p in range(lay.pp)]
+    worst = max(stages, key=lambda s: s.dense + s.expert)
+    return _Shares(dense=worst.dense, expert=worst.expert, layers=worst.layers)
 
 
 def _activation_elems_per_token(m: ModelShape, tp: int, etp: int, sp_div: int) -> tuple[float, float]:

@@ -95,6 +95,22 @@ class ModelShape:
         return self.num_moe_layers * self.num_experts * self.expert_params
 
     @property
+    def replicated_params_per_layer(self) -> int:
+        """Norm weights of a layer, which megatron keeps whole on every TP rank: the two RMSNorm weights and the
+        per-head q/k norms (an MoE layer's router is replicated too; :meth:`layer_params_on_tp_rank` adds it)."""
+        return 2 * self.head_dim + 2 * self.hidden_size
+
+    def layer_params_on_tp_rank(self, tp: int) -> float:
+        """Non-expert parameters of one layer on one TP rank (averaged over MoE and dense layers).
+
+        The projections and dense MLPs are split over TP; norms and routers are replicated (megatron-core's
+        ``TopKRouter`` weight and its norm modules are not tensor-parallel).
+        """
+        replicated = self.replicated_params_per_layer * self.num_layers + self.num_moe_layers * self.router_params
+        split = self.total_non_expert_layer_params - replicated
+        return (split / tp + replicated) / self.num_layers
+
+    @property
     def total_non_expert_layer_params(self) -> int:
         """Everything inside the transformer layers except routed experts (attention, routers, dense MLPs)."""
         return (

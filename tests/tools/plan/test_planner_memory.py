@@ -19,6 +19,10 @@ TINY = ModelShape("tiny", num_layers=2, hidden_size=64, num_attention_heads=4, n
 # MLP 3*64*128 = 24576; embedding 50*64 = 3200; output 3200 + final norm 64 = 3264.
 TINY_LAYER = 12448 + 24576
 TINY_TOTAL = 2 * TINY_LAYER + 3200 + 3264  # 80512
+# On one of 2 TP ranks: megatron splits the projections, MLP, embedding and output layer, and keeps the norms whole
+# (q/k norms 2*16 and layer norms 2*64 per layer, the final norm 64): 384 replicated, (80512 - 384) / 2 + 384.
+TINY_REPLICATED = 2 * (2 * 16 + 2 * 64) + 64
+TINY_TP2 = (TINY_TOTAL - TINY_REPLICATED) / 2 + TINY_REPLICATED  # 40448
 
 
 def _megatron(**kw) -> Layout:
@@ -35,8 +39,8 @@ def test_tiny_parameter_count():
 
 def test_megatron_static_memory_by_hand():
     mem = estimate_memory(TINY, _megatron(), gpu_gib=80.0)
-    # TP 2, PP 1: every parameter is split in two; DP = 4 / 2 = 2 shards the optimizer.
-    per_gpu = TINY_TOTAL / 2  # 40256
+    # TP 2, PP 1: every parameter but the norms is split in two; DP = 4 / 2 = 2 shards the optimizer.
+    per_gpu = TINY_TP2  # 40448
     assert mem.params_per_gpu == int(per_gpu)
     assert mem.weights_gib * GIB == pytest.approx(2 * per_gpu)
     assert mem.grads_gib * GIB == pytest.approx(4 * per_gpu)
@@ -157,7 +161,7 @@ def test_megatron_cpu_optimizer_terms_by_hand(precision_aware):
     lay = _megatron(optimizer_cpu_offload=True, optimizer_cpu_offload_fraction=1.0,
                     precision_aware_optimizer=precision_aware)  # fmt: skip
     mem = estimate_memory(TINY, lay, gpu_gib=80.0)
-    shard = TINY_TOTAL / 2 / 2  # TP 2, then DP 2 for the distributed optimizer
+    shard = TINY_TP2 / 2  # TP 2, then DP 2 for the distributed optimizer
     assert mem.cpu_optimizer_gib * GIB == pytest.approx(16 * shard)
     assert mem.optimizer_gib * GIB == pytest.approx(0 if precision_aware else 4 * shard)
     assert mem.host_offload_gib_per_node * GIB == pytest.approx(4 * 16 * shard)  # 4 GPUs on the node
@@ -171,16 +175,16 @@ def test_param_offload_copies_weights_and_frees_gradients():
     # verl's offload_megatron_model_to_cpu copies the bf16 param buffer to pinned host memory and resizes the fp32
     # grad buffer to 0 without a copy: the host holds 2 B per parameter, not 6.
     mem = estimate_memory(TINY, _megatron(param_offload=True), gpu_gib=80.0)
-    assert mem.host_offload_gib_per_node * GIB == pytest.approx(4 * 2 * TINY_TOTAL / 2)
+    assert mem.host_offload_gib_per_node * GIB == pytest.approx(4 * 2 * TINY_TP2)
     both = estimate_memory(TINY, _megatron(param_offload=True, optimizer_offload=True), gpu_gib=80.0)
-    assert both.host_offload_gib_per_node * GIB == pytest.approx(4 * (2 * TINY_TOTAL / 2 + 12 * TINY_TOTAL / 4))
+    assert both.host_offload_gib_per_node * GIB == pytest.approx(4 * (2 * TINY_TP2 + 12 * TINY_TP2 / 2))
 
 
 def test_vllm_startup_sees_the_trainer_before_its_first_step():
     # verl builds the trainer before vLLM: bf16 weights, the fp32 grad buffer and the fp32 main parameters are on
     # the GPU, Adam's moments are not yet; vLLM needs fraction x total free.
     mem = estimate_memory(TINY, _megatron(), gpu_gib=10.0)
-    resident = 2 * TINY_TOTAL / 2 + 4 * TINY_TOTAL / 2 + 4 * TINY_TOTAL / 4
+    resident = 2 * TINY_TP2 + 4 * TINY_TP2 + 4 * TINY_TP2 / 2
     assert mem.rollout_startup_resident_gib * GIB == pytest.approx(resident)
     assert mem.rollout_startup_free_gib * GIB == pytest.approx(10 * GIB - resident - RUNTIME_RESERVE_GIB * GIB)
     assert mem.rollout_startup_needed_gib == pytest.approx(0.5 * 10)
