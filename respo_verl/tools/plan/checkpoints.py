@@ -14,6 +14,7 @@ The figures are the tensors' bytes; the file system's overhead (metadata, alignm
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,6 +29,16 @@ from respo_verl.tools.plan.memory import (
 from respo_verl.tools.plan.models import ModelShape
 
 GB = 1e9
+MODEL_PATH = "actor_rollout_ref.model.path"
+# What the checkpoint folder shows in place of a model the user did not give.
+MISSING_MODEL_PLACEHOLDER = "MODEL-PATH-MISSING"
+
+
+def verl_default_model_path() -> str:
+    """verl's default ``actor_rollout_ref.model.path`` (its ``model/hf_model.yaml``), read without importing verl."""
+    from respo_verl.verl.compose import VERL_CONFIG_PACKAGE, package_dir
+
+    return str(OmegaConf.load(package_dir(VERL_CONFIG_PACKAGE) / "model" / "hf_model.yaml").path)
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,8 @@ class CheckpointPlan:
         keep: ``trainer.max_actor_ckpt_to_keep`` (None: all are kept).
         bytes_each: bytes of one checkpoint.
         folder: ``trainer.default_local_dir``.
+        model_missing: ``actor_rollout_ref.model.path`` was not given (it is verl's default model); the folder
+            holds :data:`MISSING_MODEL_PLACEHOLDER` where the model's name would be.
     """
 
     every_steps: int
@@ -47,18 +60,26 @@ class CheckpointPlan:
     keep: int | None
     bytes_each: float
     folder: str
+    model_missing: bool = False
 
     @property
     def enabled(self) -> bool:
         return self.every_steps >= 1
 
     def summary(self) -> str:
+        missing = (
+            f"; {MODEL_PATH} is missing (set it: the folder name holds {MISSING_MODEL_PLACEHOLDER} in its place)"
+            if self.model_missing
+            else ""
+        )
         if not self.enabled:
-            return f"checkpoints: OFF (trainer.save_freq={self.every_steps}): a pre-emption loses the whole run"
+            return (
+                f"checkpoints: OFF (trainer.save_freq={self.every_steps}): a pre-emption loses the whole run{missing}"
+            )
         kept = "all kept" if self.keep is None else f"{self.keep} kept: {self.keep * self.bytes_each / GB:,.0f} GB"
         return (
             f"checkpoints: every {self.every_steps} training steps ({self.every_updates} optimizer updates) and at the "
-            f"last; {self.bytes_each / GB:,.0f} GB each, {kept} in {self.folder}"
+            f"last; {self.bytes_each / GB:,.0f} GB each, {kept} in {self.folder}{missing}"
         )
 
 
@@ -83,10 +104,16 @@ def checkpoint_plan(model: ModelShape, lay: Layout, cfg: DictConfig) -> Checkpoi
     keep = cfg.trainer.get("max_actor_ckpt_to_keep")
     contents = list(OmegaConf.select(actor, "checkpoint.save_contents", default=["model", "optimizer", "extra"]))
     dtype = OmegaConf.select(actor, "fsdp_config.model_dtype", default="fp32") or "fp32"
+    # A preset without a model inherits verl's default model, whose name would end up in the folder.
+    missing = OmegaConf.select(cfg, MODEL_PATH, default=None) in (None, verl_default_model_path())
+    if missing:
+        cfg = copy.deepcopy(cfg)
+        OmegaConf.update(cfg, MODEL_PATH, MISSING_MODEL_PLACEHOLDER)
     return CheckpointPlan(
         every_steps=every,
         every_updates=every * reuse,
         keep=None if keep is None else int(keep),
         bytes_each=checkpoint_bytes(model, lay, contents, dtype),
         folder=str(cfg.trainer.default_local_dir),
+        model_missing=missing,
     )
