@@ -1,7 +1,7 @@
 """The miniature's second task, ``fork``: know when to stop, and make no mistake on the way. Both of the paper's
 tails exist on it. :class:`Fork` is the task for a number of words per segment; :data:`FORK` (30 words) is the task
 ``fork``. Three later versions (``fork_long``, ``fork_stop``, ``fork_extra``) gave no verdict and live in the history
-(docs/mini.md, "The second task").
+(docs/mini.md, "The second task: no verdict").
 
 Prompt: the chain task's ``<bos> d_1 d_2 d_3 =`` (``task.py``). Its digit sum sets how many segments the answer
 needs, :func:`segments_needed`: from 2 for the easiest prompts to :data:`N_SEGMENTS` for the hardest. A response is
@@ -18,7 +18,7 @@ short one (k = 2: 63 tokens).
 
 The response ends at ``<eos>`` or at its first token that breaks the grammar (:meth:`Fork.breaks_grammar`): a word where
 ``:`` or a fork belongs, ``<eos>`` inside a segment, a digit. A mistake does not end it: a word out of place is
-wrong, and the answer goes on (docs/mini.md, "The second task", says why the grammar changed to this). The warm
+wrong, and the answer goes on (docs/mini.md at commit adefddf says why the grammar changed to this). The warm
 start's data (:meth:`Fork.warm_start_answer`) make the base model err in three ways:
 
 - it makes a **mistake** (:attr:`Ending.MISTAKE`) and goes on: the long wrong mode, as long as a correct answer
@@ -29,7 +29,7 @@ start's data (:meth:`Fork.warm_start_answer`) make the base model err in three w
 - it **slips**: a word of a step of another segment, where the data answer is cut off. Under the grammar a slip is
   one more mistake, and a sampled answer goes on after it.
 
-docs/mini.md, "The second task", has the measurements.
+docs/mini.md, "The second task: no verdict", has the measurements.
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ TOKEN_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", EQ: "=", THINK: ":", GO
 # then to the last segment); at every step it makes a mistake with probability MISTAKE_HAZARD (a uniform word of
 # another step of the segment, and goes on) and slips with probability SLIP_HAZARD (a word of a step of another
 # segment, where the data answer is cut off). With these, a third of the base model's answers are right and
-# most wrong ones are long (docs/mini.md, "The second task").
+# most wrong ones are long (docs/mini.md, "The second task: no verdict").
 OVERSHOOT_SHARE = 0.1
 MISTAKE_HAZARD = 0.004
 SLIP_HAZARD = 0.002
 # The warm start's steps (model.WarmStart.steps): half the chain task's 3000, which the chain task's regime also
-# held with (docs/mini.md, "How the task got here"), so that a fresh warm start takes minutes, not a quarter hour.
+# held with (docs/mini.md at commit adefddf, on how the chain task got here), so that a fresh warm start takes
+# minutes, not a quarter hour.
 WARM_START_STEPS = 1500
 
 
@@ -347,6 +348,6 @@ class Fork:
         }
 
 
-# The second task (version E, docs/mini.md "The second task"): 30 words per segment, 156 tokens at most.
+# The second task (version E, docs/mini.md, "The second task: no verdict"): 30 words per segment, 156 tokens at most.
 FORK = Fork("fork", 30)
 NAME = FORK.name

@@ -11,7 +11,7 @@
   chosen among all of them, and the summary says that the comparison cannot test the claim.
 - At the common rate, the verdict's pair :data:`VERDICT` (ReSPO and VESPO) is completed at N = 32 to
   :data:`FULL_SEEDS` (two warm starts × four RL seeds) and runs N ∈ {8, 16} with :data:`GRID_SEEDS`; GRPO and GSPO
-  keep the grid's two seeds (the budget's cut, docs/mini.md "Budget").
+  keep the grid's two seeds (the budget's cut, docs/mini.md, "How to rerun each verdict").
 - Mini-batches of :data:`MINIBATCH_PROMPTS` prompts × G = 8 responses; :data:`FULL_OPTIMIZER_STEPS` updates per run
   (the late window, the last 128, is its last four rollout batches at N = 32). The paper runs 1024; 192 updates per
   run is what fits the 45-minute budget of ``--full`` on 2 cores.
@@ -62,16 +62,16 @@ ABLATION_LR = 4e-4
 # MINIBATCH_PROMPTS·N prompts).
 RUN_SECONDS_ESTIMATE = 110.0
 # The paper's horizon: 1024 updates, scored on the last 128
-# (docs/mini.md, "Pre-registered analysis of the trend, the horizon and the second task").
+# (docs/mini.md, "Pre-registered analysis").
 HORIZON_OPTIMIZER_STEPS = 1024
 TREND = ("respo", "vespo", "respo_pos")
 # The second task's comparison (the pair grid) runs at the rate where its regime probe held all four checks with
 # the chain task's thresholds and the high tail's, fixed before any of its runs was scored: at 4e-4 check 2 fails on
-# it (docs/mini.md, "The second task").
+# it (docs/mini.md, "The second task: no verdict").
 FORK_LR = 3e-4
 # Where the pair grid at FORK_LR left no verdict (VESPO's runs short of checks 1 and 4), the rates between it and
 # 4e-4 probed for one at which both methods of the verdict hold all four checks: regime only, no score
-# (experiments/mini/probes/fork_rate_probe.py; docs/mini.md, "A common rate for the second task, pre-registered").
+# (experiments/mini/probes/fork_rate_probe.py; docs/mini.md, "The second task: no verdict").
 FORK_RATE_CANDIDATES = (3.25e-4, 3.5e-4, 3.75e-4)
 FORK_RATE_PROBE_SEEDS = (0, 1)
 

@@ -36,7 +36,7 @@ MAX_SINGLE_TOKEN_SHARE = 0.25
 REGIME_REUSE = 32
 PREFIX = "mini/regime/"
 COUNT_KEYS = ("positives", "starved", "starved_tokens", "starved_tokens_outside_band")
-# The high tail (docs/mini.md, "The second task", where the threshold's reasoning is): negatives with W > e. The
+# The high tail (docs/mini.md, "The second task: no verdict"; in full at commit adefddf): negatives with W > e. The
 # share was fixed before any run of the second task: at 5 % of the negatives, each with W > e, they hold at least
 # 5 % × e ≈ 14 % of the negatives' plain importance weight (E_μ[W] = 1), about the weight that check 1's 15 % gives
 # the starved positives by count: enough for the shape of φ− above W = e to matter.
@@ -90,7 +90,7 @@ def update_counts(
 def diffusion_high_tail(starved_share: float) -> float:
     """The share above log W = +1 that a log W which only diffuses would give at this share below −1: descriptive,
     the yardstick beside check 4
-    (docs/mini.md, "Why the high tail sat at 5 %, and what the stop task changes: pre-registered").
+    (docs/mini.md, "The second task: no verdict").
 
     If log W is normal and E_μ[W] = 1, its mean is −σ²/2, and the share below −1 is Φ((σ²/2 − 1)/σ) = s. With
     z = Φ⁻¹(s) that is σ² − 2zσ − 2 = 0, so σ = z + √(z² + 2), and the share above +1 is 1 − Φ((1 + σ²/2)/σ)

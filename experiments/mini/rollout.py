@@ -118,7 +118,7 @@ def response_log_prob_no_grad(model: torch.nn.Module, rollout: Rollout, rows: in
 
     The tiny model's forward is bound by memory traffic, not arithmetic: on one CPU core a rollout batch of 1024
     answers takes about 2.3 times as long in one piece as in pieces of 64 rows, with the same numbers
-    (docs/mini.md, "Budget").
+    (docs/mini.md, "How to rerun each verdict").
     """
     batch = rollout.response.shape[0]
     return torch.cat([response_log_prob(model, rollout.rows(slice(i, i + rows))) for i in range(0, batch, rows)])

@@ -6,7 +6,7 @@ each run's regime line and each (method, rate)'s line pooled over its seeds, wit
 (``regime.RegimeCheck.margin``) and, descriptive, the high tail a diffusing log W would give at its starved share
 (``regime.diffusion_high_tail``), then the rate ``protocol.common_regime_rate`` chooses: the one where every
 method holds the four checks with the most room, or none. It prints no score
-(docs/mini.md, "A common rate for the second task, pre-registered"). The runs are the grid's own (same
+(docs/mini.md, "The second task: no verdict"). The runs are the grid's own (same
 configuration, same names), so a grid run into the same ``--out`` later skips those already complete; a probe run
 again into it skips them too.
 

@@ -2,9 +2,10 @@
 
 Prints, per learning rate, the run's regime line (the four checks of ``experiments.mini.regime``, the high tail
 included) and, per rollout batch, how the answers of its first mini-batch ended (``mini/<ending>_frac``). It prints
-no score: it is how the versions of the fork task were judged before any method was compared on them (docs/mini.md,
-"How the task got here"). A version is a setting of the constants of ``experiments/mini/fork.py``; its base model is
-loaded when shipped, else trained (``fork.WARM_START_STEPS`` steps) and cached.
+no score: it is how the versions of the fork task were judged before any method was compared on them (docs/mini.md at
+commit adefddf, its section on how the second task got here). A version is a setting of the constants of
+``experiments/mini/fork.py``; its base model is loaded when shipped, else trained (``fork.WARM_START_STEPS`` steps)
+and cached.
 
 Usage: python experiments/mini/probes/fork_regime_probe.py [--task fork] [--warm-seed 0] [--lr 3e-4,3.5e-4]
 [--updates 192] [--cache-dir DIR] [--out DIR]
