@@ -7,7 +7,9 @@ is changed on import: each feature applies its patches by one explicit call from
 runtime, an engine subclass).
 
 One module per patched library and version holds that library's patches: :mod:`.verl_0_9_1`,
-:mod:`.megatron_core_0_16_1`, :mod:`.mbridge_0_15_1`. Registrations through a library's public registry that need
+:mod:`.megatron_core_0_16_1`, :mod:`.mbridge_0_15_1`; the one exception is :mod:`.meta_build`, the stand-ins of the
+planner's meta-device build (megatron-core and mbridge), kept together so that their list is the build's list of
+deviations. Registrations through a library's public registry that need
 a guard and an undo use the same helper where they are defined (``respo_verl.cpu.runtime``,
 ``respo_verl.routing.engine``). The index of every patch, with its version guard and when to delete it, is the
 repository's ``patches/README.md``.
