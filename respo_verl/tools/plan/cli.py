@@ -2,12 +2,18 @@
 
 Exit status: 0 when every rule holds and every phase fits, 1 when a rule is violated (all of them are listed),
 2 for bad input (unknown preset, malformed override or model config).
+
+``--build`` instead has megatron-core build the preset's model and optimizer on the meta device, rank by rank, and
+holds the planner to it (:mod:`respo_verl.tools.plan.build`): exit 0 when megatron builds it and every figure agrees,
+1 when megatron refuses the layout or a figure disagrees, 2 for bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from omegaconf.errors import OmegaConfBaseException
 from rich import box
@@ -40,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU in GiB (default: the preset's GPU)")
     p.add_argument("--algorithm", default="respo", help="algorithm preset to compose with (default respo)")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.add_argument(
+        "--build",
+        action="store_true",
+        help="build the model and optimizer with megatron-core on the meta device (fake world) and compare",
+    )
+    p.add_argument("--ranks", help="with --build: ranks to build, e.g. 0,7,12-15 (default: first, middle, last rank)")
+    p.add_argument("--json", action="store_true", help="with --build: one JSON object per rank")
+    p.add_argument("--workers", type=int, help="with --build: ranks built at once (default: up to 2 cores)")
     return p
 
 
@@ -150,6 +164,55 @@ def plan(
     return lay, mem, check_layout(model, lay, mem), model
 
 
+def _build(args: argparse.Namespace, lay: Layout, model: ModelShape) -> int:
+    """``--build``: bad input is refused here, in one line, before any rank starts."""
+    from respo_verl.tools.plan.build import (
+        DEFAULT_WORKERS,
+        BuildInputError,
+        default_ranks,
+        hf_config_from_shape,
+        parse_ranks,
+        run_build,
+    )
+
+    try:
+        if lay.backend != "megatron":
+            raise BuildInputError(
+                f"--build builds Megatron presets; {args.preset} runs FSDP (docs/cluster.md, 'Built by megatron-core, "
+                f"on CPU')"
+            )
+        if min(lay.world, lay.tp, lay.pp, lay.cp, lay.ep, lay.etp) < 1:
+            raise BuildInputError(f"{args.preset}: the world and every parallel size must be >= 1")
+        if args.workers is not None and args.workers < 1:
+            raise BuildInputError(f"--workers must be >= 1, got {args.workers}")
+        ranks = parse_ranks(args.ranks, lay.world) if args.ranks else default_ranks(lay)
+        if args.model_config:
+            hf_config = json.loads(_config_file(args.model_config).read_text())
+        else:
+            hf_config = hf_config_from_shape(model)
+    except BuildInputError as e:
+        print(f"respo-verl plan: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run_build(
+        args.preset,
+        tuple(args.overrides),
+        args.algorithm,
+        model,
+        lay,
+        hf_config,
+        ranks,
+        args.json,
+        args.workers or DEFAULT_WORKERS,
+        sys.stdout,
+        sys.stderr,
+    )
+
+
+def _config_file(path: str) -> Path:
+    p = Path(path).expanduser()
+    return p / "config.json" if p.is_dir() else p
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -160,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             model = SHIPPED_MODELS[args.model]
         if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
             raise PresetError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
+        if not args.build and (args.ranks or args.json or args.workers is not None):
+            raise PresetError("--ranks, --json and --workers go with --build")
         lay, mem, violations, model = plan(args.preset, args.overrides, model, args.gpu_memory_gib, args.algorithm)
     except (PresetError, ModelConfigError) as e:
         print(f"respo-verl plan: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.build:
+        return _build(args, lay, model)
     out = Console(width=TABLE_WIDTH, highlight=False)
     if mem is None:
         out.print(f"{args.preset}: {lay.nnodes}×{lay.gpus_per_node} GPUs; no memory estimate", markup=False)
