@@ -5,10 +5,10 @@ VESPO with one seed, at rollout reuse N = :data:`REGIME_REUSE`: the chain task's
 (``respo_verl/cpu/kit/chain.py``), so the updates that reuse a rollout batch move their log W well below 0. It
 prints one line per step and method (the score, the share of positives with log W < −1, the mean φ those positives
 get, the starved positives' share of the gradient mass), then ``respo-verl report`` of both runs and a figure
-(:data:`FIGURE`): the φ each positive received against its log W, per method, over both kernels' curves, and the
-score per step. Over so few steps a difference in score is not a result (docs/mini.md is the experiment); what the
-demo shows is the mechanism: starved positives exist under both methods, VESPO gives them almost nothing, ReSPO
-keeps weighting them.
+(:data:`FIGURE`): ReSPO's and VESPO's φ on the same stale sequences, the positives against log W and the negatives
+with log W > +1, over both kernels' curves, so that what differs is the kernel, not the run. Over so few steps a
+difference in score is not a result (docs/mini.md is the experiment); what the demo shows is the mechanism: starved
+positives exist, VESPO gives them almost nothing, ReSPO keeps weighting them.
 
 ``--quick`` runs the former smoke run instead: one method on the addition task, N = 4, 8 steps.
 
@@ -290,9 +290,46 @@ def stale_positives(trace: Path) -> list[tuple[float, float]]:
     return [(w, p) for w, p, a in zip(rows["log_w"], rows["phi"], rows["adv"], strict=True) if a > 0 and w != 0.0]
 
 
+def stale_sequences(traces: list[Path]) -> dict[str, list[float]]:
+    """log W of the stale sequences of all ``traces`` (log W ≠ 0 exactly), by group: ``positives`` (A > 0) and
+    ``negatives_high`` (A < 0 with log W > +1, the over-generated tail ReSPO's negative branch damps)."""
+    out = {"positives": [], "negatives_high": []}
+    for trace in traces:
+        rows = read_trace(trace)
+        for w, a in zip(rows["log_w"], rows["adv"], strict=True):
+            if w == 0.0:
+                continue
+            if a > 0:
+                out["positives"].append(w)
+            elif a < 0 and w > 1.0:
+                out["negatives_high"].append(w)
+    return out
+
+
+def both_kernels(log_w: list[float], positive: bool) -> dict[str, list[float]]:
+    """φ of ReSPO and of VESPO (default knobs, the branch of the advantage's sign) at each of these log W: the two
+    kernels on the same sequences. Within ±20, where both clamps are idle, the two methods form the same log W."""
+    import torch
+
+    from respo_verl.core.config import ReSPOConfig, VESPOConfig
+    from respo_verl.core.kernels import respo_phi, vespo_phi
+
+    values = torch.tensor(log_w, dtype=torch.float64)
+    branch = torch.full_like(values, positive, dtype=torch.bool)
+    return {
+        "respo": respo_phi(values, branch, ReSPOConfig()).tolist(),
+        "vespo": vespo_phi(values, branch, VESPOConfig()).tolist(),
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
 def plot_mechanism(runs: dict[str, tuple[Path, Path]], path: Path) -> list[str]:
-    """One panel per method: φ against log W of every stale positive it trained on, over both kernels' positive
-    branch; a last panel: the score per step of each method. Writes ``path``; returns the panels' titles."""
+    """ReSPO's and VESPO's φ on the same stale sequences (those of every run in ``runs``, pooled), over both kernels'
+    curves: the positives against log W, and the negatives with log W > +1. Writes ``path``; returns the two panels'
+    titles."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,39 +338,45 @@ def plot_mechanism(runs: dict[str, tuple[Path, Path]], path: Path) -> list[str]:
 
     from respo_verl.core.config import ReSPOConfig, VESPOConfig
     from respo_verl.core.kernels import respo_phi, vespo_phi
-    from respo_verl.tools.runs.logs import read_log
 
-    grid = torch.linspace(-5.0, 1.0, 301, dtype=torch.float64)
-    positive = torch.ones_like(grid, dtype=torch.bool)
-    curves = {
-        "ReSPO φ₊": respo_phi(grid, positive, ReSPOConfig()).tolist(),
-        "VESPO φ₊": vespo_phi(grid, positive, VESPOConfig()).tolist(),
-    }
-    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4.6 * (len(runs) + 1), 3.8))
-    for ax, (algorithm, (_, trace)) in zip(axes, runs.items(), strict=False):
-        stale = stale_positives(trace)
-        for (name, values), style in zip(curves.items(), ("-", "--"), strict=True):
-            ax.plot(grid.tolist(), values, style, color="0.35", lw=1.2, label=name)
-        ax.axvline(-1.0, color="0.6", lw=0.8, ls=":")
-        if stale:
-            ax.scatter(*zip(*stale, strict=True), s=12, alpha=0.6, color="C0" if algorithm == "respo" else "C3")
-        starved = [p for w, p in stale if w < -1.0]
-        mean = f", mean φ {sum(starved) / len(starved):.2f}" if starved else ""
-        ax.set_title(f"{algorithm}: {len(starved)} of {len(stale)} stale positives below log W = -1{mean}", fontsize=8)
+    sequences = stale_sequences([trace for _, trace in runs.values()])
+    panels = (
+        ("positives", True, (-5.0, 1.0), "φ₊"),
+        ("negatives_high", False, (-1.0, 4.0), "φ₋"),
+    )
+    style = {"respo": ("ReSPO", "C0", "-"), "vespo": ("VESPO", "C3", "--")}
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.0))
+    for ax, (group, positive, (lo, hi), symbol) in zip(axes, panels, strict=True):
+        log_w = sequences[group]
+        hi = hi if positive else max(hi, max(log_w, default=hi) + 0.25)  # every negative of the tail on the panel
+        grid = torch.linspace(lo, hi, 301, dtype=torch.float64)
+        branch = torch.full_like(grid, positive, dtype=torch.bool)
+        curves = {"respo": respo_phi(grid, branch, ReSPOConfig()), "vespo": vespo_phi(grid, branch, VESPOConfig())}
+        phi = both_kernels(log_w, positive)
+        for method, (name, color, line) in style.items():
+            ax.plot(grid.tolist(), curves[method].tolist(), line, color=color, lw=1.2, label=f"{name} {symbol}")
+        for w, a, b in zip(log_w, phi["respo"], phi["vespo"], strict=True):
+            ax.plot([w, w], [a, b], color="0.8", lw=0.5, zorder=1)
+        for method, (_, color, _) in style.items():
+            ax.scatter(log_w, phi[method], s=10, alpha=0.7, color=color, zorder=2)
+        ax.axvline(-1.0 if positive else 1.0, color="0.6", lw=0.8, ls=":")
+        shown = [i for i, w in enumerate(log_w) if w < -1.0] if positive else list(range(len(log_w)))
+        means = f"their mean φ under ReSPO {_mean([phi['respo'][i] for i in shown]):.2f}, under VESPO " + (
+            f"{_mean([phi['vespo'][i] for i in shown]):.2f}"
+        )
+        if positive:
+            title = f"the same {len(log_w)} stale positives, {len(shown)} below log W = -1:\n{means}"
+        elif log_w:
+            title = f"the same {len(log_w)} stale negatives with log W > +1:\n{means}"
+        else:
+            title = "no stale negative with log W > +1 in these runs"
+        ax.set_title(title, fontsize=8)
         ax.set_xlabel("log W of the sequence")
-        ax.set_ylabel("φ it received")
-        ax.set_xlim(-5.0, 1.0)
+        ax.set_ylabel(f"{symbol}(W) of each kernel")
+        ax.set_xlim(lo, hi)
         ax.set_ylim(0.0, 1.6)
-        ax.legend(fontsize=7, loc="lower right")
-    score_ax = axes[-1]
-    for algorithm, (log, _) in runs.items():
-        score = read_log(log).series("critic/score/mean")
-        score_ax.plot(sorted(score), [score[step] for step in sorted(score)], marker="o", label=algorithm)
-    score_ax.xaxis.get_major_locator().set_params(integer=True)
-    score_ax.set_xlabel("training step")
-    score_ax.set_ylabel("score (reward, ±1)")
-    score_ax.set_title("score per step (a few steps: not a result)", fontsize=8)
-    score_ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper right" if positive else "upper left")
+    fig.suptitle(f"φ of both kernels on the stale sequences of the runs ({', '.join(runs)}), pooled", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

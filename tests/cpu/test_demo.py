@@ -1,10 +1,11 @@
-"""``respo-verl demo``: where the logs go, the jobs it launches, the per-step lines, bad input, and (slow) the demo
-itself end to end: verl's trainer on the chain task, ReSPO then VESPO, and the figure of the φ their stale positives
-received."""
+"""``respo-verl demo``: where the logs go, the jobs it launches, the per-step lines, bad input, the figure's two kernels
+on the same sequences, and (slow) the demo itself end to end: verl's trainer on the chain task, ReSPO then VESPO, and
+the figure of both kernels' φ on their stale sequences."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -48,9 +49,16 @@ def test_follow_prints_one_line_per_logged_step(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args", [["--reuse", "0"], ["--steps", "0"], ["--algorithm", "ppo"]])
-def test_bad_options_exit_2(args):
-    proc = subprocess.run([sys.executable, "-m", "respo_verl.cli", "demo", *args], capture_output=True, text=True)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+def test_bad_options_exit_2(args, capsys):
+    """In-process: the console script's ``main``; a refusal comes before anything is launched."""
+    from respo_verl import cli
+
+    try:
+        status = cli.main(["demo", *args])
+    except SystemExit as exc:  # argparse's refusal of a choice
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and err and "Traceback" not in err, err
 
 
 def test_the_regime_line_reports_the_starved_positives_from_the_step_s_counts():
@@ -75,6 +83,55 @@ def test_the_regime_jobs_run_the_chain_task_at_the_regime_s_n_and_compose():
     assert reuse == demo.REGIME_REUSE == 16
     assert cfg.actor_rollout_ref.rollout.custom.stop_rule == "respo_verl.cpu.kit.chain:ends_answer"
     assert cfg.data.max_response_length == 51 and cfg.actor_rollout_ref.model.path.endswith("/chain/model")
+
+
+def _respo(log_w: float, positive: bool) -> float:
+    """ReSPO's default kernel by hand: φ+(W) = ((1 + W)/2)·e^(1 − W), φ−(W) = √W·e^(2(1 − √W)) (docs/method.md)."""
+    w = math.exp(log_w)
+    return (1 + w) / 2 * math.exp(1 - w) if positive else math.sqrt(w) * math.exp(2 * (1 - math.sqrt(w)))
+
+
+def _vespo(log_w: float, positive: bool) -> float:
+    """VESPO's default kernel by hand: W^k·e^(λ(1 − W)), k, λ = 2, 3 for positives and 3, 2 for negatives."""
+    w = math.exp(log_w)
+    k, lam = (2, 3) if positive else (3, 2)
+    return w**k * math.exp(lam * (1 - w))
+
+
+def test_the_figure_puts_both_kernels_on_the_same_stale_sequences(tmp_path):
+    """The stale sequences of both runs, pooled (on-policy ones, log W = 0 exactly, left out; negatives only above
+    log W = +1), each evaluated under both kernels, whatever φ the run that made it traced."""
+    rows = {
+        "respo": {"log_w": [0.0, -2.0, 1.5, 0.5, -0.2], "phi": [1.0, 9.0, 9.0, 9.0, 9.0], "adv": [1, 1, -1, -1, 1]},
+        "vespo": {"log_w": [0.0, -1.5, 3.0], "phi": [1.0, 9.0, 9.0], "adv": [-1, 1, -1]},
+    }
+    runs = {}
+    for algorithm, row in rows.items():
+        trace = tmp_path / f"{algorithm}.trace.jsonl"
+        (tmp_path / f"{trace.name}.rank0").write_text(json.dumps(row) + "\n")
+        runs[algorithm] = (tmp_path / f"{algorithm}.jsonl", trace)
+    pooled = demo.stale_sequences([trace for _, trace in runs.values()])
+    assert pooled == {"positives": [-2.0, -0.2, -1.5], "negatives_high": [1.5, 3.0]}
+    for group, positive in (("positives", True), ("negatives_high", False)):
+        phi = demo.both_kernels(pooled[group], positive)
+        assert phi["respo"] == pytest.approx([_respo(w, positive) for w in pooled[group]], rel=1e-12)
+        assert phi["vespo"] == pytest.approx([_vespo(w, positive) for w in pooled[group]], rel=1e-12)
+    titles = demo.plot_mechanism(runs, tmp_path / "figure.png")
+    starved = (-2.0, -1.5)
+    assert titles[0] == (
+        "the same 3 stale positives, 2 below log W = -1:\ntheir mean φ under ReSPO "
+        f"{sum(_respo(w, True) for w in starved) / 2:.2f}, under VESPO {sum(_vespo(w, True) for w in starved) / 2:.2f}"
+    )
+    high = (1.5, 3.0)
+    assert titles[1] == (
+        "the same 2 stale negatives with log W > +1:\ntheir mean φ under ReSPO "
+        f"{sum(_respo(w, False) for w in high) / 2:.2f}, under VESPO {sum(_vespo(w, False) for w in high) / 2:.2f}"
+    )
+    assert (tmp_path / "figure.png").stat().st_size > 0
+    calm = {"log_w": [-2.0], "phi": [1.0], "adv": [1]}
+    (tmp_path / "vespo.trace.jsonl.rank0").write_text(json.dumps(calm) + "\n")
+    (tmp_path / "respo.trace.jsonl.rank0").write_text(json.dumps(calm) + "\n")
+    assert demo.plot_mechanism(runs, tmp_path / "calm.png")[1] == "no stale negative with log W > +1 in these runs"
 
 
 @pytest.mark.slow
@@ -133,7 +190,12 @@ def test_make_demo_shows_starved_positives_weighted_under_respo_and_not_under_ve
     figure = out / "report" / demo.FIGURE
     assert figure.is_file()
     titles = demo.plot_mechanism(runs, tmp_path / "again.png")
-    assert len(titles) == 3 and titles[0].startswith("respo: ") and titles[1].startswith("vespo: ")
-    assert "stale positives below log W = -1" in titles[0] and titles[2].startswith("score per step")
+    pooled = demo.stale_sequences([trace for _, trace in runs.values()])
+    n_pos = len(demo.stale_positives(runs["respo"][1])) + len(demo.stale_positives(runs["vespo"][1]))
+    assert len(titles) == 2 and titles[0].startswith(f"the same {n_pos} stale positives, ") == (n_pos > 0)
+    assert len(pooled["positives"]) == n_pos
+    assert titles[1].startswith(f"the same {len(pooled['negatives_high'])} stale negatives with log W > +1") or (
+        not pooled["negatives_high"] and titles[1] == "no stale negative with log W > +1 in these runs"
+    )
     report = (out / "report" / "report.md").read_text()
     assert "ReSPO" in report and "VESPO" in report
