@@ -203,13 +203,15 @@ def test_grid_markdown_on_hand_values():
     assert "| GRPO − VESPO, N = 32 | 1 | -11.00 |" in text
 
 
+@pytest.mark.slow
 def test_a_grid_writes_its_manifest_and_report_with_the_ablation_presets(tmp_path, monkeypatch):
-    """A named grid end to end (a tiny one put in place of the protocol's, 4 updates per run): its manifest lists the
-    ablation preset's run, and ``respo-verl report`` on the grid names it and compares it with VESPO."""
+    """A named grid end to end (a tiny one put in place of the protocol's, one rollout batch of 2 updates per run):
+    its manifest lists the ablation preset's run, and ``respo-verl report`` on the grid names it and compares it with
+    VESPO."""
     from respo_verl.tools.runs.manifest import MANIFEST_NAME, read_manifest
 
     tiny = protocol.Grid(
-        "tiny", tuple((a, (2,), (0,)) for a in ("respo", "vespo", "respo_pos")), 4, False, "a tiny grid"
+        "tiny", tuple((a, (2,), (0,)) for a in ("respo", "vespo", "respo_pos")), 2, False, "a tiny grid"
     )
     monkeypatch.setitem(protocol.GRIDS, "tiny", tiny)
     out = tmp_path / "tiny"

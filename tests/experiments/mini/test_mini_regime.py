@@ -73,13 +73,14 @@ def test_the_run_is_in_the_paper_regime(regime_run):
 
 @pytest.mark.slow
 def test_a_learning_rate_below_the_regime_does_not_starve(tmp_path):
-    """The checks can fail: at half the quick rate the same run starves too few positives (check 1)."""
+    """The checks can fail: at half the quick rate the same run starves too few positives (check 1). One rollout
+    batch (N = 32 updates), the shortest run the checks measure."""
     base, _ = model_lib.warm_start(model_lib.ModelSpec(), model_lib.WarmStart(seed=0), cache_dir=None)
     cfg = RunConfig(
         "respo",
         reuse=regime.REGIME_REUSE,
         seed=0,
-        optimizer_steps=64,
+        optimizer_steps=regime.REGIME_REUSE,
         rollout_prompts=protocol.MINIBATCH_PROMPTS * regime.REGIME_REUSE,
         group_size=protocol.GROUP_SIZE,
         lr=protocol.QUICK_LR / 2,

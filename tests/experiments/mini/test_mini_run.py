@@ -87,7 +87,9 @@ def test_smoke_through_console_entry_point(tmp_path, capfd):
     assert list((tmp_path / "cache").glob("*.pt")), "the warm-started base model is cached"
 
 
+@pytest.mark.slow
 def test_two_workers_give_the_numbers_of_one(tmp_path):
+    """Spawned worker processes (each imports torch and verl and composes its presets: most of the test's time)."""
     from experiments.mini.cli import main
 
     argv = ["--algos", "respo,vespo", "--reuse", "2", "--optimizer-steps", "2", "--minibatch-prompts", "1"]
