@@ -234,9 +234,22 @@ def _hydra_main(config: DictConfig) -> None:
         sys.exit(2)
 
 
-def main() -> None:
-    _precheck(sys.argv[1:])
-    _hydra_main()
+def main(argv: list[str] | None = None) -> None:
+    """The command line ``python -m respo_verl.main_ppo ARGV...``; ``argv`` defaults to ``sys.argv[1:]``.
+
+    Hydra reads ``sys.argv`` itself, so a given ``argv`` stands in for it until the run ends (tests call the entry
+    point in-process this way to check the refusals that come before Ray).
+    """
+    if argv is None:
+        _precheck(sys.argv[1:])
+        _hydra_main()
+        return
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "respo_verl.main_ppo", *argv]
+    try:
+        main()
+    finally:
+        sys.argv = saved
 
 
 if __name__ == "__main__":

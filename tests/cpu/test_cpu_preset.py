@@ -86,13 +86,12 @@ def test_a_gpu_job_is_not_a_cpu_job():
     check_cpu_job(cfg)  # nothing to refuse
 
 
-def test_refusals_come_before_ray_as_one_line_also_under_cfg_job():
+def test_refusals_come_before_ray_as_one_line_also_under_cfg_job(tmp_path):
+    from support.entry import run_entry
+
     for args in (["trainer.device=cpu"], ["+device=cpu", "actor_rollout_ref.actor.policy_loss.respo.alpha_pos=0.5"]):
         for extra in ([], ["--cfg", "job"]):
-            proc = subprocess.run(
-                [sys.executable, "-m", "respo_verl.main_ppo", *args, *extra],
-                capture_output=True, text=True, env=ENV, timeout=300,
-            )  # fmt: skip
+            proc = run_entry([*args, *extra], tmp_path)
             assert proc.returncode == 2, proc.stderr[-2000:]
             assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
             assert "Traceback" not in proc.stderr and "ray init" not in proc.stdout

@@ -237,14 +237,12 @@ def test_a_dapo_math_sized_file_is_checked(tmp_path, default_job):
 
 
 def test_the_entry_point_refuses_bad_data_in_one_line_before_ray(tmp_path):
-    import subprocess
-    import sys
+    from support.entry import run_entry
 
     rows = _rows(4)
     rows[1]["prompt"] = [{"content": "", "role": "user"}]
     path = write_parquet(rows, tmp_path / "train.parquet")
-    cmd = [sys.executable, "-m", "respo_verl.main_ppo", "algorithm=respo", "+device=cpu", f"data.train_files={path}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_entry(["algorithm=respo", "+device=cpu", f"data.train_files={path}"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"respo_verl.main_ppo: {path}: row 1, column prompt: empty prompt" in proc.stderr
     assert "Traceback" not in proc.stderr and "TaskRunner" not in proc.stdout + proc.stderr

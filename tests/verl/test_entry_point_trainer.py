@@ -6,10 +6,8 @@ refuses it while the run guards are on, in one line naming the key, before Ray s
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from support.entry import run_entry
 
 from respo_verl import main_ppo
 from respo_verl.verl.compose import compose_job
@@ -19,8 +17,7 @@ LEGACY = "trainer.use_v1=false"
 
 def test_the_legacy_trainer_is_refused_in_one_line_before_ray(tmp_path):
     for extra in ([], ["--cfg", "job"]):
-        cmd = [sys.executable, "-m", "respo_verl.main_ppo", "algorithm=respo", "+device=cpu", LEGACY, *extra]
-        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        proc = run_entry(["algorithm=respo", "+device=cpu", LEGACY, *extra], tmp_path)
         assert proc.returncode == 2, proc.stderr[-3000:]
         lines = [line for line in proc.stderr.splitlines() if line.startswith("respo_verl.main_ppo:")]
         assert len(lines) == 1 and lines[0].startswith(f"respo_verl.main_ppo: {LEGACY}: verl's legacy trainer"), lines

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from support.entry import run_entry
 
 from respo_verl.verl.compose import compose_job
 from respo_verl.verl.jobcheck import check_job
@@ -110,25 +111,24 @@ def test_routing_replay_on_a_dense_model_is_refused():
     ],
 )
 def test_the_entry_point_refuses_them_in_one_line(tmp_path, overrides, message):
-    cmd = [sys.executable, "-m", "respo_verl.main_ppo", "algorithm=respo", "+device=cpu", *overrides]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_entry(["algorithm=respo", "+device=cpu", *overrides], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"respo_verl.main_ppo: {message}" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
-def test_a_local_cuda_job_on_a_machine_without_cuda_is_refused_before_ray(tmp_path):
+def test_a_local_cuda_job_on_a_machine_without_cuda_is_refused_before_ray(tmp_path, monkeypatch):
     """Without the CPU preset the job is a cuda job; its model is a local path that exists (the CPU kit's), so that
     the machine is the only thing wrong. Today's alternative: Ray waits for GPUs, silently."""
     from respo_verl.cpu.kit.build import KitSpec, build_kit
 
     kit = build_kit(KitSpec(), progress=False)
-    cmd = [
-        sys.executable, "-m", "respo_verl.main_ppo", "algorithm=respo", f"actor_rollout_ref.model.path={kit.model}",
+    argv = [
+        "algorithm=respo", f"actor_rollout_ref.model.path={kit.model}",
         f"data.train_files={kit.train_files}", f"data.val_files={kit.val_files}",
     ]  # fmt: skip
-    env = {k: v for k, v in __import__("os").environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    proc = run_entry(argv, tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "respo_verl.main_ppo: trainer.device=cuda, but this machine's torch" in proc.stderr, proc.stderr[-3000:]
     assert "sees no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
@@ -154,8 +154,7 @@ def test_a_typo_in_a_config_group_is_one_line_exit_2(tmp_path, override, message
     """Hydra's own report is 14-19 lines and lists verl's rollout_correction among the algorithms."""
     overrides = [override] if override.startswith("algorithm=") else ["algorithm=respo", override]
     for extra in ([], ["--cfg", "job"]):
-        cmd = [sys.executable, "-m", "respo_verl.main_ppo", *overrides, *extra]
-        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        proc = run_entry([*overrides, *extra], tmp_path)
         assert proc.returncode == 2, proc.stderr[-3000:]
         lines = [line for line in proc.stderr.splitlines() if line.startswith("respo_verl.main_ppo:")]
         assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]

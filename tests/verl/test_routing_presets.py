@@ -3,8 +3,6 @@ replay on the Megatron engine, pass verl's validate_config and dataclass convers
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -90,12 +88,13 @@ def test_off_composes_with_the_fsdp_engine():
     omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
-@pytest.mark.slow
-def test_done_when_command_composes():
-    out = subprocess.run(
-        [sys.executable, "-m", "respo_verl.main_ppo", "algorithm=respo", "routing=r3", "model_engine=megatron",
-         "actor_rollout_ref.rollout.name=vllm", "--cfg", "job"],
-        capture_output=True, text=True, timeout=300,
+def test_done_when_command_composes(tmp_path):
+    from support.entry import run_entry
+
+    out = run_entry(
+        ["algorithm=respo", "routing=r3", "model_engine=megatron", "actor_rollout_ref.rollout.name=vllm",
+         "--cfg", "job"],
+        tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     job = OmegaConf.create(out.stdout)
