@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup lint test bench demo demo-quick demo-mini demo-moe clean
+.PHONY: setup lint test test-fast bench demo demo-quick demo-mini demo-moe clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,14 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The whole suite, the 25 slowest tests listed at the end (README, Testing: the tiers and their times).
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# The edit loop: everything but the slow tier (no Ray, no verl run, no subprocess that trains; tests/conftest.py
+# fails a test that starts one without the slow marker).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" --durations=10
 
 bench: setup
 	$(PY) scripts/bench/losses.py

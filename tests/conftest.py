@@ -81,3 +81,76 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- the fast tier ---------------------------------------------------------------------------------------------------
+# `make test-fast` (`pytest -m "not slow"`) is the edit loop and must stay a few minutes long: no Ray, no verl run, no
+# subprocess that trains. A test outside the slow tier that starts one of them fails at that call, naming the marker.
+# What a subprocess's command line (or its ``-c`` code) shows when it trains or starts Ray.
+_TRAINING_SIGNS = (
+    ("main_ppo", "a trainer entry point (main_ppo)"),
+    ("run_ppo(", "verl's trainer (run_ppo)"),
+    ("experiments.mini", "the miniature's training"),
+    ("ray.init(", "Ray (ray.init)"),
+)
+_CLI_VERBS = {"demo": "respo-verl demo", "sweep": "respo-verl sweep"}
+
+
+class SlowTierOnly(AssertionError):
+    """A test outside the slow tier started Ray or a trainer."""
+
+
+def _refusal(test: str, what: str) -> str:
+    return (
+        f"{test} starts {what}, which the fast tier (`make test-fast`, -m 'not slow') never does: mark the test "
+        "@pytest.mark.slow (README, Testing)"
+    )
+
+
+def _training_command(args) -> str | None:
+    """What the command line ``args`` starts that the fast tier must not, or None."""
+    words = [os.fsdecode(args)] if isinstance(args, (str, bytes, os.PathLike)) else [os.fsdecode(a) for a in args]
+    for sign, what in _TRAINING_SIGNS:
+        if any(sign in word for word in words):
+            return what
+    names = [os.path.basename(word) for word in words]
+    if "ray" in names and "start" in names:
+        return "a Ray cluster (ray start)"
+    if "respo_verl.cli" in words or "respo-verl" in names:
+        for verb, what in _CLI_VERBS.items():
+            if verb in words:
+                return what
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_ray_and_no_trainer(request, monkeypatch):
+    """Refuse Ray and trainers at the call, and fail the test afterwards too: code under test may catch the error
+    (Hydra's entry point turns any exception into exit status 1)."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    import subprocess
+
+    import ray
+
+    refused: list[str] = []
+    request.node.fast_tier_refusals = refused  # read (and cleared) by tests/test_fast_tier.py
+
+    def refuse(what: str):
+        refused.append(_refusal(request.node.nodeid, what))
+        raise SlowTierOnly(refused[-1])
+
+    popen_init = subprocess.Popen.__init__
+
+    def checked_popen(self, args, *rest, **kwargs):
+        what = _training_command(args)
+        if what is not None:
+            refuse(what)
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: refuse("Ray (ray.init)"))
+    yield
+    if refused:
+        pytest.fail(refused[0], pytrace=False)
