@@ -24,6 +24,7 @@ from respo_verl.cpu.preset import MEGATRON_CPU_SETTINGS, CPUJobError, check_cpu_
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
 from respo_verl.main_ppo import check
 from respo_verl.patches import mbridge_0_15_1, verl_0_9_1
+from respo_verl.verl.checkpoint import TRACKER
 
 MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
 
@@ -400,7 +401,12 @@ def test_megatron_checkpoints_save_on_cpu_and_a_relaunch_resumes_exactly_with_r2
     handled by the CPU patch); a run stopped after its checkpoint of step 2 and relaunched resumes from it, loading the
     model, the optimizer and the RNG states (verl's own log lines say so), appends to the log, goes on replaying
     routes, and logs steps 3 and 4 exactly as an uninterrupted run of 4 steps does (verl's rollout.full_determinism):
-    step 4's metrics come from weights that the resumed optimizer state updated."""
+    step 4's metrics come from weights that the resumed optimizer state updated.
+
+    The stopped run is the uninterrupted run itself, taken back to what it had on disk right after its checkpoint of
+    step 2 (that checkpoint, the tracker naming step 2, the log's lines of steps 1 and 2): one Megatron run fewer than
+    a separate 2-step run, and the same files such a run leaves (the FSDP tests in test_cpu_resume.py stop real runs
+    with SIGTERM and SIGKILL)."""
 
     def launch(folder, steps: int) -> tuple[str, list[dict]]:
         folder.mkdir(parents=True, exist_ok=True)
@@ -427,10 +433,16 @@ def test_megatron_checkpoints_save_on_cpu_and_a_relaunch_resumes_exactly_with_r2
         assert proc.returncode == 0, out[-5000:]
         return out, [json.loads(line) for line in log.read_text().splitlines()]
 
-    _, reference = launch(tmp_path / "uninterrupted", 4)
-    run = tmp_path / "resumed"
-    launch(run, 2)
+    run = tmp_path / "run"
+    _, reference = launch(run, 4)
     assert (run / "ckpt" / "global_step_2" / "actor" / "optimizer").is_dir()
+    # Back to the moment after step 2's checkpoint: global_step_4 and the log's steps 3 and 4 were not written yet.
+    assert (run / "ckpt" / TRACKER).read_text().strip() == "4"
+    shutil.rmtree(run / "ckpt" / "global_step_4")
+    (run / "ckpt" / TRACKER).write_text("2")
+    log = run / "log.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:2]))
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
     out, lines = launch(run, 4)
     assert "Resuming from" in out and "global_step_2" in out, out[-5000:]
     # The model comes back through the bridge's HF export (verl's choice with mbridge), or as its dist checkpoint.
