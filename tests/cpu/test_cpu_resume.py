@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.trainer_checks import RESPO_KEYS, STALE_LOG_W, assert_trains, assert_weights_synced, log_w
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
@@ -108,6 +109,32 @@ def _launch(tmp_path: Path, command: list[str], sigterm_after_step: int | None =
     return proc.returncode, out_path.read_text(errors="replace")
 
 
+def _refused_in_process(tmp_path: Path, command: list[str]):
+    """``command`` (a ``python -m respo_verl.main_ppo`` line) run in this process, for a refusal before Ray."""
+    import ray
+    from support.entry import run_entry
+
+    assert command[1:3] == ["-m", "respo_verl.main_ppo"], command
+    env = {"VERL_FILE_LOGGER_PATH": str(tmp_path / "log.jsonl"), "RESPO_VERL_CPU_KIT": str(kit_root())}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    init = ray.init
+    try:
+        ray.init = _no_ray  # a refusal that stopped working must not start a cluster in the test's process
+        return run_entry(command[3:], tmp_path)
+    finally:
+        ray.init = init
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _no_ray(*args, **kwargs):
+    raise AssertionError("the job was not refused before Ray: it reached ray.init")
+
+
 def _logged_steps(log: Path) -> list[int]:
     if not log.is_file():
         return []
@@ -146,13 +173,31 @@ def _final_weights(folder: Path, step: int) -> dict:
 DETERMINISTIC = "actor_rollout_ref.rollout.full_determinism=true"
 
 
+# Rollout reuse N of the uninterrupted run and of the runs resumed against it.
+REUSE = 4
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(kit, tmp_path_factory) -> Path:
-    """The folder of one uninterrupted 4-step run (its log.jsonl and ckpt/), the reference of the resumed runs."""
+    """The folder of one uninterrupted 4-step run (its log.jsonl and ckpt/): ReSPO at N = 4 through our entry point,
+    the reference of the resumed runs. A run that fails fails every test that reads it, with its own output."""
     reference = tmp_path_factory.mktemp("uninterrupted")
-    rc, out = _launch(reference, _command(reference / "ckpt", 2, 4, "trainer.save_freq=3", DETERMINISTIC))
-    assert rc == 0, out[-4000:]
+    rc, out = _launch(reference, _command(reference / "ckpt", REUSE, 4, "trainer.save_freq=3", DETERMINISTIC))
+    if rc != 0:
+        pytest.fail(f"the uninterrupted reference run failed with exit status {rc}:\n{out[-4000:]}", pytrace=False)
     return reference
+
+
+def test_respo_with_our_entry_point_trains_with_rollout_reuse(uninterrupted):
+    lines = [json.loads(line) for line in (uninterrupted / "log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    for line in lines:
+        missing = [k for k in RESPO_KEYS if k not in line["data"]]
+        assert not missing, f"step {line['step']} lacks {missing}"
+    assert_trains(lines)
+    assert_weights_synced(lines)
+    # N = 4: mini-batches 2..4 of every rollout batch are off-policy, and ReSPO's metrics see it.
+    assert max(log_w(lines)) > STALE_LOG_W, log_w(lines)
 
 
 def _assert_resumed_exactly(run: Path, reference: Path, resumed_from: int) -> None:
@@ -173,7 +218,7 @@ def _assert_resumed_exactly(run: Path, reference: Path, resumed_from: int) -> No
 def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_refused(uninterrupted, tmp_path):
     folder = tmp_path / "ckpt"
     # save_freq 3: the checkpoint at step 2 exists only because the pre-emption notice asked for it
-    command = _command(folder, 2, 4, "trainer.save_freq=3", DETERMINISTIC)
+    command = _command(folder, REUSE, 4, "trainer.save_freq=3", DETERMINISTIC)
 
     rc, out = _launch(tmp_path, command, sigterm_after_step=1)
     assert rc == 0, out[-4000:]
@@ -197,11 +242,13 @@ def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_ref
 
     _assert_resumed_exactly(tmp_path, uninterrupted, stopped)
 
-    # Another configuration (N = 1) launched into the same folder: refused before Ray starts, naming both.
-    rc, out = _launch(tmp_path, _command(folder, 1, 4, "trainer.save_freq=3"))
-    assert rc == 2, out[-4000:]
-    assert "global_step_4 belongs to another run (respo N=2" in out and "this run is respo N=1" in out
-    assert "data.train_batch_size: 4 -> 2" in out
+    # Another configuration (N = 1) launched into the same folder: refused before Ray starts, naming both. The
+    # refusal needs no process of its own: the entry point runs in this one (Ray is not started when it refuses).
+    refused = _refused_in_process(tmp_path, _command(folder, 1, 4, "trainer.save_freq=3"))
+    out = refused.stdout + refused.stderr
+    assert refused.returncode == 2, out[-4000:]
+    assert f"global_step_4 belongs to another run (respo N={REUSE}" in out and "this run is respo N=1" in out
+    assert f"data.train_batch_size: {2 * REUSE} -> 2" in out
     assert "TaskRunner" not in out
     assert len(_logged_steps(tmp_path / "log.jsonl")) == 4  # nothing ran
 
@@ -272,7 +319,7 @@ def test_sigkill_after_a_periodic_checkpoint_ray_is_gone_and_the_relaunch_resume
     metric and the final weights equal the uninterrupted run's (which saved every third step: saving changes
     nothing)."""
     folder = tmp_path / "ckpt"
-    command = _command(folder, 2, 4, "trainer.save_freq=1", DETERMINISTIC)
+    command = _command(folder, REUSE, 4, "trainer.save_freq=1", DETERMINISTIC)
     killed = _kill_after(tmp_path, command, folder / "global_step_2" / MARKER)
     names = " | ".join(killed["recorded"].values())
     assert "raylet" in names and "gcs_server" in names and "ray::TaskRunner" in names, names

@@ -4,7 +4,9 @@ Each run is a real ``python -m ... main_ppo`` subprocess: Ray, TransferQueue, th
 server, FSDP2 on gloo, verl's naive weight sync and verl's file logger. Nothing is mocked; one run injects a fault
 (NaN log-probabilities reaching the registered loss) through a module loaded in the Ray workers.
 
-The runs share one tiny-model kit (built once, cached). They take a few minutes together on a 2-core machine.
+The runs share one tiny-model kit (built once, cached). They take a few minutes together on a 2-core machine. ReSPO
+through our entry point with rollout reuse is checked on the uninterrupted reference run of ``test_cpu_resume.py``
+(the same command, shared with the resume tests).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from support.trainer_checks import ON_POLICY_LOG_W, assert_trains, assert_weights_synced, log_w
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
@@ -25,24 +28,6 @@ from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
 pytestmark = pytest.mark.slow
 
 CPU_MODULES = Path(__file__).resolve().parents[1] / "support" / "cpu_modules"
-RESPO_KEYS = (
-    "actor/respo/pos/frac",
-    "actor/respo/pos/log_w_mean",
-    "actor/respo/pos/phi_mean",
-    "actor/respo/neg/frac",
-    "actor/respo/neg/log_w_mean",
-    "actor/respo/neg/phi_mean",
-    "actor/respo/clamp_frac",
-    "actor/respo/starved_frac",
-    "actor/respo/starved_mass_share",
-)
-# The rollout and the actor compute log-probs of the same tokens with the same fp32 weights when weights are synced
-# (measured ~1e-6); a server that kept stale weights differs by >= 1e-3 after one update at lr 1e-2.
-SYNCED_LOG_PROB_GAP = 1e-4
-# Rollout reuse: the 2nd..N-th mini-batches are off-policy, so |mean log W| of a branch is away from 0 (0.03-0.16 per
-# step measured with the preset's lr 1e-4, N = 4); on-policy (N = 1) it is float noise (~1e-5).
-STALE_LOG_W = 1e-2
-ON_POLICY_LOG_W = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -88,53 +73,6 @@ def _tail(proc) -> str:
     return (proc.stdout + proc.stderr)[-4000:]
 
 
-def assert_weights_synced(lines: list[dict]) -> None:
-    gaps = [line["data"]["training/rollout_probs_diff_max"] for line in lines]
-    assert max(gaps) < SYNCED_LOG_PROB_GAP, f"rollout/actor log-prob gap per step: {gaps}"
-
-
-def assert_trains(lines: list[dict]) -> None:
-    """Every step with a non-zero advantage has a non-zero gradient, and some step has one.
-
-    A step whose prompts all got one reward (e.g. every answer wrong) has advantages 0 everywhere, and then the
-    gradient is exactly 0: that is right, not a failure. The rollout server's sampling is not reproducible from run to
-    run (it depends on how the agent loop interleaves requests), so such a step can occur in any run.
-    """
-    learning = []
-    for line in lines:
-        data = line["data"]
-        flat = data["critic/advantages/max"] == 0.0 and data["critic/advantages/min"] == 0.0
-        if flat:
-            assert data["actor/grad_norm"] == 0.0, (
-                f"step {line['step']}: zero advantages, grad norm {data['actor/grad_norm']}"
-            )
-        else:
-            assert data["actor/grad_norm"] > 0, f"step {line['step']}: non-zero advantages but no gradient"
-            learning.append(line["step"])
-        assert data["actor/loss"] == data["actor/loss"]  # finite, not NaN
-    assert learning, "no step had a non-zero advantage: the run never trained"
-
-
-def _log_w(lines: list[dict]) -> list[float]:
-    return [abs(line["data"][f"actor/respo/{b}/log_w_mean"]) for line in lines for b in ("pos", "neg")]
-
-
-def test_respo_with_our_entry_point_trains_with_rollout_reuse(kit, tmp_path):
-    steps = 3
-    proc, lines = run_main_ppo(
-        tmp_path, "respo_verl.main_ppo", ["algorithm=respo", "+device=cpu", *_job("respo", 4, steps)]
-    )
-    assert proc.returncode == 0, _tail(proc)
-    assert [line["step"] for line in lines] == list(range(1, steps + 1))
-    for line in lines:
-        missing = [k for k in RESPO_KEYS if k not in line["data"]]
-        assert not missing, f"step {line['step']} lacks {missing}"
-    assert_trains(lines)
-    assert_weights_synced(lines)
-    # N = 4: mini-batches 2..4 of every rollout batch are off-policy, and ReSPO's metrics see it.
-    assert max(_log_w(lines)) > STALE_LOG_W, _log_w(lines)
-
-
 def test_vespo_with_verls_entry_point_and_legacy_trainer(kit, tmp_path):
     steps = 2
     overrides = ["+algorithm=vespo", "+device=cpu", "trainer.use_v1=false", *_job("vespo", 4, steps)]
@@ -167,7 +105,7 @@ def test_negative_controls_stale_server_weights_and_on_policy_log_w(kit, tmp_pat
     proc, lines = run_main_ppo(tmp_path, "respo_verl.main_ppo", overrides)
     assert proc.returncode == 0, _tail(proc)
     assert len(lines) == 3
-    assert max(_log_w(lines)) < ON_POLICY_LOG_W, _log_w(lines)
+    assert max(log_w(lines)) < ON_POLICY_LOG_W, log_w(lines)
     with pytest.raises(AssertionError, match="rollout/actor log-prob gap"):
         assert_weights_synced(lines)
 

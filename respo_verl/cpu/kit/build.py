@@ -318,6 +318,8 @@ def build_kit(spec: KitSpec = KitSpec(), root: Path | None = None, progress: boo
             "build_seconds": round(time.perf_counter() - started, 1),
         }
         (scratch / KIT_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        if (root / KIT_FILE).is_file() and kit.info().get("key") == spec.key():
+            return kit  # another process (a parallel test worker) finished the same kit, which may be in use
         stale = root.with_name(f".{spec.variant}-stale-{os.getpid()}")
         if root.exists():
             root.rename(stale)
