@@ -56,11 +56,10 @@ class BuildRequest:
     """What one rank's process needs; plain data, so that it crosses a spawn."""
 
     preset: str
-    overrides: tuple[str, ...]
-    algorithm: str
     rank: int
     world: int
     hf_config: dict
+    actor: dict  # the composed job's actor_rollout_ref.actor, resolved (the rank does not compose again)
 
 
 @dataclass
@@ -113,6 +112,16 @@ def hf_config_from_shape(shape: ModelShape) -> dict:
     else:
         cfg |= {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     return cfg
+
+
+def actor_config(preset: str, overrides: tuple[str, ...] | list[str] = (), algorithm: str = "respo") -> dict:
+    """The composed job's ``actor_rollout_ref.actor``, resolved to plain data for the rank processes."""
+    from omegaconf import OmegaConf
+
+    from respo_verl.tools.plan.presets import compose_preset
+
+    cfg = compose_preset(preset, overrides, algorithm=algorithm)
+    return OmegaConf.to_container(cfg.actor_rollout_ref.actor, resolve=True)
 
 
 def default_ranks(lay: Layout) -> list[int]:
@@ -220,18 +229,17 @@ def _layout_of_rank() -> dict:
 def build_rank(request: BuildRequest) -> RankResult:
     """Build rank ``request.rank`` in this process (a fresh one: the stand-ins and the process group are global)."""
     start = time.perf_counter()
-    stage = "compose"
+    stage = "imports"
     result = RankResult(request=request, ok=False)
     try:
         import torch.distributed as dist
+        from omegaconf import OmegaConf
         from torch.testing._internal.distributed.fake_pg import FakeStore
         from verl.utils.config import omega_conf_to_dataclass
 
         from respo_verl.patches import meta_build
-        from respo_verl.tools.plan.presets import compose_preset
 
-        cfg = compose_preset(request.preset, request.overrides, algorithm=request.algorithm)
-        actor = cfg.actor_rollout_ref.actor
+        actor = OmegaConf.create(request.actor)
         engine_config = omega_conf_to_dataclass(actor.megatron)
         optimizer_config = omega_conf_to_dataclass(actor.optim)
         checkpoint_config = omega_conf_to_dataclass(actor.checkpoint)
@@ -242,6 +250,11 @@ def build_rank(request: BuildRequest) -> RankResult:
             from verl.workers.config import HFModelConfig
 
             model_config = HFModelConfig(path=folder, load_tokenizer=False)
+            from verl.models.mcore.mbridge import AutoBridge
+
+            model_type = getattr(model_config.hf_config, "model_type", None)
+            if model_type not in AutoBridge.list_supported_models():
+                raise ValueError(f"mbridge has no bridge for model_type {model_type!r}")
             stage = "parallel state"
             dist.init_process_group("fake", store=FakeStore(), rank=request.rank, world_size=request.world)
             stack.callback(dist.destroy_process_group)
@@ -254,13 +267,6 @@ def build_rank(request: BuildRequest) -> RankResult:
 
             engine = MegatronEngine(model_config, engine_config, optimizer_config, checkpoint_config)
             stack.callback(mpu.destroy_model_parallel)
-            stage = MODEL_CONFIG_STAGE
-            try:
-                from verl.models.mcore.mbridge import AutoBridge
-
-                AutoBridge.from_config(model_config.hf_config)
-            except Exception as err:  # the bridge has no mapping for this architecture
-                raise _Stage(MODEL_CONFIG_STAGE, err) from err
             stage = "transformer config"
             engine._build_tf_config()
             stage = "model"
@@ -304,8 +310,6 @@ def build_rank(request: BuildRequest) -> RankResult:
                 "optimizer": _optimizer_figures(optimizer),
             }
         result.ok, result.figures = True, figures
-    except _Stage as err:
-        result.stage, result.error = err.stage, _one_line(err.cause)
     except Exception as err:  # megatron's, mbridge's or verl's own refusal; reported in one line
         result.stage, result.error = stage, _one_line(err)
         if os.environ.get("RESPO_VERL_BUILD_TRACEBACK"):
@@ -313,12 +317,6 @@ def build_rank(request: BuildRequest) -> RankResult:
     result.seconds = time.perf_counter() - start
     result.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
-
-
-class _Stage(Exception):
-    def __init__(self, stage: str, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.stage, self.cause = stage, cause
 
 
 def _quiet_build_rank(request: BuildRequest) -> RankResult:
@@ -471,7 +469,8 @@ def run_build(
     err,
 ) -> int:
     """Build ``ranks`` of ``preset`` and print them beside the planner; the exit status of ``--build``."""
-    requests = [BuildRequest(preset, overrides, algorithm, r, lay.world, hf_config) for r in ranks]
+    actor = actor_config(preset, overrides, algorithm)
+    requests = [BuildRequest(preset, r, lay.world, hf_config, actor) for r in ranks]
     results = build_ranks(requests, workers=workers)
     return report_build(preset, overrides, model, lay, results, as_json, out, err)
 
