@@ -28,7 +28,6 @@ import re
 import resource
 import tempfile
 import time
-import traceback
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +41,8 @@ DEFAULT_WORKERS = max(1, min(2, os.cpu_count() or 1))
 # A rank that takes longer than this is stuck, not slow (a rank builds in 10-40 s on a shared 2-core machine).
 RANK_TIMEOUT_S = 600
 
-# Where in the engine's start-up a failure happened; a failure at these stages is megatron refusing the layout.
-LAYOUT_STAGES = ("parallel state", "transformer config", "model", "optimizer")
+# The stage of a failure that is bad input (the model config); a failure at any other stage of the engine's
+# start-up (engine config, parallel state, transformer config, model, optimizer) is a refusal of the layout.
 MODEL_CONFIG_STAGE = "model config"
 
 
@@ -239,6 +238,7 @@ def build_rank(request: BuildRequest) -> RankResult:
 
         from respo_verl.patches import meta_build
 
+        stage = "engine config"
         actor = OmegaConf.create(request.actor)
         engine_config = omega_conf_to_dataclass(actor.megatron)
         optimizer_config = omega_conf_to_dataclass(actor.optim)
@@ -262,6 +262,7 @@ def build_rank(request: BuildRequest) -> RankResult:
                 if patch.apply():
                     stack.callback(patch.remove)
             from megatron.core import parallel_state as mpu
+            from verl.utils.megatron.optimizer import is_muon_layer_wise_config
             from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module
             from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
@@ -275,7 +276,7 @@ def build_rank(request: BuildRequest) -> RankResult:
                 is_value_model=engine.is_value_model,
                 wrap_with_ddp=not engine_config.forward_only,
                 use_distributed_optimizer=engine_config.use_distributed_optimizer,
-                use_layer_wise_distributed_optimizer=False,
+                use_layer_wise_distributed_optimizer=is_muon_layer_wise_config(optimizer_config),
                 use_megatron_fsdp=engine_config.use_megatron_fsdp,
             )
             engine.module, engine.tf_config = make_megatron_module(
@@ -312,8 +313,6 @@ def build_rank(request: BuildRequest) -> RankResult:
         result.ok, result.figures = True, figures
     except Exception as err:  # megatron's, mbridge's or verl's own refusal; reported in one line
         result.stage, result.error = stage, _one_line(err)
-        if os.environ.get("RESPO_VERL_BUILD_TRACEBACK"):
-            traceback.print_exc()
     result.seconds = time.perf_counter() - start
     result.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
