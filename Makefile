@@ -26,14 +26,19 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# Two pytest workers, one test file at a time each (a file's shared runs stay in one worker): the suite is sized for
+# the 2-core machine of the README's Testing section. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 # The whole suite, the 25 slowest tests listed at the end (README, Testing: the tiers and their times).
 test: lint
-	$(PY) -m pytest -q --durations=25
+	$(PYTEST) --durations=25
 
 # The edit loop: everything but the slow tier (no Ray, no verl run, no subprocess that trains; tests/conftest.py
 # fails a test that starts one without the slow marker).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PYTEST) -m "not slow" --durations=10
 
 bench: setup
 	$(PY) scripts/bench/losses.py
