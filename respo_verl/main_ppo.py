@@ -205,7 +205,7 @@ def _precheck(argv: list[str]) -> None:
         if missing is None or not getattr(missing, "missing_cfg_file", None):
             return  # Hydra reports the same composition error itself
         group, _, option = missing.missing_cfg_file.rpartition("/")
-        options = list(algorithms.ALGORITHMS) if group == "algorithm" else list(missing.options or [])
+        options = list(algorithms.NAMES) if group == "algorithm" else list(missing.options or [])
         print(
             f"respo_verl.main_ppo: {group}={option}: no such option of {group} (one of {', '.join(options)})",
             file=sys.stderr,

@@ -145,7 +145,11 @@ def test_a_local_cuda_job_on_a_machine_without_cuda_is_refused_before_ray(tmp_pa
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("algorithm=respoo", "algorithm=respoo: no such option of algorithm (one of respo, vespo, grpo, gspo)"),
+        (
+            "algorithm=respoo",
+            "algorithm=respoo: no such option of algorithm (one of respo, vespo, grpo, gspo, respo_pos, respo_neg, "
+            "phi_one, grpo_noclip)",
+        ),
         ("+cluster=qwen3_30b", "cluster=qwen3_30b: no such option of cluster (one of qwen3_1p7b_h100_1x8, "),
         ("routing=r4", "routing=r4: no such option of routing (one of off, r2, r3)"),
     ],

@@ -20,6 +20,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from respo_verl import algorithms
 from respo_verl.tools.plan.checkpoints import checkpoint_plan
 from respo_verl.tools.plan.layout import Layout, LayoutError, layout_from_config
 from respo_verl.tools.plan.memory import MemoryEstimate, estimate_memory
@@ -213,6 +214,11 @@ def _config_file(path: str) -> Path:
     return p / "config.json" if p.is_dir() else p
 
 
+def _short(message: str) -> str:
+    """Hydra's message for an unknown group option without the config search path it appends (5 providers)."""
+    return message.split("; Config search path:", 1)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -225,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             raise PresetError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
         if not args.build and (args.ranks or args.json or args.workers is not None):
             raise PresetError("--ranks, --json and --workers go with --build")
+        if args.algorithm not in algorithms.NAMES:  # checked here: Hydra's refusal lists verl's presets too
+            raise PresetError(f"--algorithm {args.algorithm}: no such algorithm (one of {', '.join(algorithms.NAMES)})")
         lay, mem, violations, model = plan(args.preset, args.overrides, model, args.gpu_memory_gib, args.algorithm)
     except (PresetError, ModelConfigError) as e:
-        print(f"respo-verl plan: {e}", file=sys.stderr)
+        print(f"respo-verl plan: {_short(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.build:
         return _build(args, lay, model)

@@ -65,6 +65,28 @@ def test_bad_input_is_one_clear_message(capsys, argv, message):
     assert captured.out == ""  # refused before anything is printed
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["qwen3_1p7b_h100_1x8", "--algorithm", "respoo"],
+            "respo-verl plan: --algorithm respoo: no such algorithm (one of respo, vespo, grpo, gspo, respo_pos, "
+            "respo_neg, phi_one, grpo_noclip)",
+        ),
+        (
+            ["qwen3_1p7b_h100_1x8", "routing=r4"],
+            "respo-verl plan: cannot compose preset 'qwen3_1p7b_h100_1x8' with overrides ['routing=r4']: cannot "
+            "compose the 'respo' job: In 'respo_trainer': Could not find 'routing/r4'; Available options in "
+            "'routing':; off; r2; r3",
+        ),
+    ],
+)
+def test_an_unknown_preset_option_is_one_short_line_without_hydras_search_path(capsys, argv, line):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == line + "\n" and captured.out == ""
+
+
 def test_no_gpus_is_a_world_size_violation(capsys):
     assert main(["qwen3_30b_a3b_h100_2x8", "trainer.nnodes=0"]) == 1
     out = capsys.readouterr().out
