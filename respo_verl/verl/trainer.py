@@ -22,7 +22,10 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
   reward failed and were replaced by padding (``respo_verl/failed_samples``, ``.../failed_share``) above a share, and
   a collapsed policy (the clamp share of log W above a bound, or entropy near 0 with no group that carries a signal
   for K steps in a row) stop the run with the metric and the step named; so does an agent-loop worker that dies
-  while a step waits for its samples (verl's replay buffer would wait for them for ever).
+  while a step waits for its samples (verl's replay buffer would wait for them for ever). A guard on a step's
+  metrics first logs that step, to every logger verl was given, with ``respo_verl/stopped`` = 1
+  (:data:`STOPPED_KEY`), then stops the run; an error of the advantage computation (non-finite rewards) names its
+  step.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ TRAINER_MODE = "respo_sync"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_sync"
 FAILED_SAMPLES_KEY = "respo_verl/failed_samples"
 FAILED_SHARE_KEY = "respo_verl/failed_share"
+# 1.0 on the log line of the step a guard stopped the run in (that step's metrics are logged before the stop).
+STOPPED_KEY = "respo_verl/stopped"
+# Popped by verl's loop before it logs a step: a table for its own logger, not a metric.
+DAPO_COUNTS_KEY = "_dapo_filtered_reward_counts"
 ENTROPY_KEY = "actor/entropy"
 ADVANTAGE_KEYS = ("critic/advantages/max", "critic/advantages/min")
 # The kernel losses' share of sequences whose log W sits at the clamp, under actor/<loss>/.
@@ -283,8 +290,8 @@ def _trainer_class() -> type:
             self._unmarked_step = self.global_steps
 
         def _mark_saved_step(self, step) -> None:
-            if step is None or getattr(self, "_unmarked_step", None) != step:
-                return
+            if step is None or getattr(self, "_unmarked_step", None) != step or getattr(self, "_stopping", False):
+                return  # a step a guard stopped in is not a step to resume after
             folder = Path(checkpoint.checkpoint_folder(self.config)) / f"global_step_{step}"
             folder.mkdir(parents=True, exist_ok=True)
             checkpoint.write_marker_info(folder, {**self._run, "step": int(step)})
@@ -307,7 +314,27 @@ def _trainer_class() -> type:
             super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
             expected = int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
             metrics.update(failed_sample_metrics(list(batch.tags), expected))
-            self._guards.check(metrics, global_steps)
+            try:
+                self._guards.check(metrics, global_steps)
+            except RunStopped:
+                self._log_stopping_step(metrics, global_steps)
+                raise
+
+        def _log_stopping_step(self, metrics: dict, step: int) -> None:
+            """The step a guard stops in, logged as verl logs every step (its loop never gets to it), marked."""
+            self._stopping = True
+            data = {key: value for key, value in metrics.items() if key != DAPO_COUNTS_KEY}
+            try:
+                self.logger.log(data={**data, STOPPED_KEY: 1.0}, step=step)
+                self.logger.finish(exit_code=1)  # flushes every backend (wandb, tensorboard, ...) before the raise
+            except Exception as exc:  # the stop's own message must still reach the user
+                print(f"respo-verl: WARNING: could not log step {step}, the step the run stops in: {exc!r}")
+
+        def _compute_advantage(self, batch, metrics):
+            try:
+                return super()._compute_advantage(batch, metrics)
+            except ValueError as exc:  # e.g. non-finite rewards: verl's message does not say which step
+                raise RunStopped(f"step {self.global_steps}: {exc}") from exc
 
     return RespoTrainer
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from support.trainer_checks import RESPO_KEYS, STALE_LOG_W, assert_trains, asser
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
-from respo_verl.tools.runs.logs import read_log
+from respo_verl.tools.runs.logs import STOPPED_KEY, read_log
 from respo_verl.verl.checkpoint import MARKER, TRACKER
 from respo_verl.verl.reaper import REAP_BOUND_S
 
@@ -357,8 +358,14 @@ def test_a_collapsed_policy_stops_the_run(kit, tmp_path):
     command = _command(tmp_path / "ckpt", 2, 6, "actor_rollout_ref.actor.optim.lr=1.0", "trainer.save_freq=-1")
     rc, out = _launch(tmp_path, command)
     assert rc != 0, out[-4000:]
-    assert "run_guard." in out and "RunStopped" in out, out[-4000:]
-    assert max(_logged_steps(tmp_path / "log.jsonl") or [0]) < 6
+    tripped = re.search(r"RunStopped: step 1: (actor/respo/clamp_frac)=([0-9.]+) > run_guard\.max_clamp_share=", out)
+    assert tripped, out[-4000:]
+    # The step the guard stopped in is in the file log, with the metric that tripped it, marked as the stop.
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1], lines
+    data = lines[0]["data"]
+    assert data[STOPPED_KEY] == 1.0 and f"{data[tripped[1]]:.3f}" == tripped[2] and data[tripped[1]] > 0.1, data
+    assert read_log(tmp_path / "log.jsonl").stopped_at == 1
 
 
 def test_an_agent_loop_worker_that_dies_mid_step_stops_the_run(kit, tmp_path):

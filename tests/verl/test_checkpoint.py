@@ -16,6 +16,7 @@ from respo_verl.verl.checkpoint import CheckpointError, identity, plan_resume, w
 from respo_verl.verl.trainer import (
     FAILED_SAMPLES_KEY,
     FAILED_SHARE_KEY,
+    STOPPED_KEY,
     GuardConfig,
     RunStopped,
     StepGuards,
@@ -179,6 +180,65 @@ def test_collapse_stops_after_k_quiet_steps_in_a_row_only():
     guards.check(_collapsed(), step=7)
     with pytest.raises(RunStopped, match=r"step 8: actor/entropy=0.00e\+00 .* for 3 steps in a row"):
         guards.check(_collapsed(), step=8)
+
+
+def _bare_trainer(monkeypatch, step_metrics: dict):
+    """The respo-verl trainer class without verl's set-up: verl's own metrics for a step are ``step_metrics``, its
+    Tracking a recorder of what each backend would get."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from respo_verl.verl.trainer import _trainer_class
+
+    def verl_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        metrics.update(step_metrics)
+
+    monkeypatch.setattr(PPOTrainerSync, "_compute_metrics", verl_metrics)
+    cls = _trainer_class()
+    trainer = cls.__new__(cls)
+    trainer._guards = StepGuards(GuardConfig())
+    trainer.config = OmegaConf.create({"data": {"train_batch_size": 2}, "actor_rollout_ref": {"rollout": {"n": 2}}})
+
+    class Tracking:
+        logged, finished = [], []
+
+        def log(self, data, step):
+            self.logged.append((step, data))
+
+        def finish(self, exit_code=0):
+            self.finished.append(exit_code)
+
+    trainer.logger = Tracking()
+    return trainer
+
+
+def test_a_guard_logs_the_step_it_stops_in_marked_and_leaves_its_checkpoint_unmarked(monkeypatch):
+    trainer = _bare_trainer(monkeypatch, {"actor/respo/clamp_frac": 0.75, "_dapo_filtered_reward_counts": {"x": 1}})
+    trainer._unmarked_step = 1  # the step was saved; verl writes the marker once its line is logged
+    batch = type("Batch", (), {"tags": [{}] * 4})()
+    with pytest.raises(RunStopped, match=r"step 1: actor/respo/clamp_frac=0.750 > run_guard.max_clamp_share=0.1"):
+        trainer._compute_metrics(batch, {}, {}, global_steps=1, epoch=0)
+    expected = {"actor/respo/clamp_frac": 0.75, FAILED_SAMPLES_KEY: 0.0, FAILED_SHARE_KEY: 0.0, STOPPED_KEY: 1.0}
+    assert trainer.logger.logged == [(1, expected)] and trainer.logger.finished == [1]
+    trainer._mark_saved_step(1)  # the run stops after this step: a relaunch must not resume after it
+    assert trainer._unmarked_step == 1
+
+    healthy = _bare_trainer(monkeypatch, {"actor/respo/clamp_frac": 0.0})
+    metrics = {}
+    healthy._compute_metrics(batch, metrics, {}, global_steps=1, epoch=0)
+    assert healthy.logger.logged == [] and STOPPED_KEY not in metrics  # verl's loop logs a step that goes on
+
+
+def test_non_finite_rewards_stop_the_run_naming_the_step(monkeypatch):
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    def advantage(self, batch, metrics):
+        raise ValueError("token_level_rewards holds non-finite values in 1 of 4 responses")
+
+    monkeypatch.setattr(PPOTrainerSync, "_compute_advantage", advantage)
+    trainer = _bare_trainer(monkeypatch, {})
+    trainer.global_steps = 3
+    with pytest.raises(RunStopped, match=r"^step 3: token_level_rewards holds non-finite values in 1 of 4 responses$"):
+        trainer._compute_advantage(None, {})
 
 
 def test_disabled_guards_never_stop():

@@ -13,7 +13,11 @@ A resumed run appends to its log after a line ``{"event": "resume", "attempt": k
 logger). Steps logged again by a later attempt (those after the checkpoint it resumed from) are counted once, the
 latest attempt's line kept; :attr:`RunLog.continuity` says so, and says when the log does not start at step 1 or
 skips steps (a log truncated by an older logger, or pieces of two runs), so that a reader never takes such a log
-for a complete run (:meth:`RunLog.complete_through`).
+for a complete run (:meth:`RunLog.complete_through`). A plain reader of the file sees such a step twice: the line
+that counts is the last one, the one after the latest resume line.
+
+A run guard of the respo-verl trainer that stops a run logs the step it stops in with ``respo_verl/stopped`` = 1
+(:data:`STOPPED_KEY`): :attr:`RunLog.stopped_at` is that step, unless a later line (a relaunch) went on from it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ LOG_STEPS = ("training", "optimizer")
 OPTIMIZER_STEP_KEY = "mini/optimizer_step"
 # Logged on every line of a per-update log: N of the run.
 REUSE_KEY = "mini/reuse"
+# 1.0 on the line of the step a run guard stopped the run in (respo_verl.verl.trainer.STOPPED_KEY).
+STOPPED_KEY = "respo_verl/stopped"
 
 
 class LogError(ValueError):
@@ -48,6 +54,8 @@ class RunLog:
         continuity: notes on the sequence of logged steps: a first step other than 1, gaps, steps logged by more than
             one attempt (and which attempt's line was kept).
         attempts: how many attempts wrote the log (1 + its resume lines).
+        stopped_at: the step a run guard stopped the run in (its line carries :data:`STOPPED_KEY`), when no later line
+            follows it; None otherwise.
     """
 
     path: Path
@@ -55,6 +63,7 @@ class RunLog:
     skipped: list[str] = field(default_factory=list)
     continuity: list[str] = field(default_factory=list)
     attempts: int = 1
+    stopped_at: int | None = None
 
     def complete_through(self, last: int) -> bool:
         """Whether every step 1..``last`` was logged (no late start, no gap up to ``last``)."""
@@ -115,6 +124,7 @@ def read_log(path: Path) -> RunLog:
         if step in written_by and written_by[step] != attempt:
             repeated.setdefault(step, [written_by[step]]).append(attempt)
         written_by[step] = attempt
+        run.stopped_at = step if record["data"].get(STOPPED_KEY) == 1 else None
         for key, value in record["data"].items():
             if value is None:
                 run.skipped.append(f"{where}: {key} is null (NaN when logged)")
@@ -131,6 +141,8 @@ def read_log(path: Path) -> RunLog:
     if not run.metrics:
         raise LogError(f"{path}: no usable metric lines ({len(run.skipped)} skipped: {run.skipped[:3]})")
     run.continuity = _continuity(run.steps, repeated, written_by)
+    if run.stopped_at is not None:
+        run.continuity.append(f"stopped by a run guard in step {run.stopped_at} (its line has {STOPPED_KEY} = 1)")
     return run
 
 

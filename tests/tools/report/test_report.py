@@ -159,6 +159,20 @@ def test_a_log_truncated_by_a_resume_and_one_with_a_repeated_step_are_flagged(lo
     assert "m-respo-n8-s1: incomplete" not in text
 
 
+def test_a_run_a_guard_stopped_is_marked_in_the_report(logs_dir):
+    grid(logs_dir, {"respo": [0.6, 0.6], "vespo": [0.5, 0.5]})
+    log = logs_dir / "logs" / "m-respo-n8-s0.jsonl"
+    lines = log.read_text().splitlines()[:30]
+    last = json.loads(lines[-1])
+    last["data"]["respo_verl/stopped"] = 1.0
+    log.write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert "m-respo-n8-s0: log: stopped by a run guard in step 30 (its line has respo_verl/stopped = 1)" in text
+    assert "m-respo-n8-s1: log: stopped" not in text
+
+
 def _section(text: str, title: str) -> str:
     """The body of the report's section ``## <title>`` ('' when there is none)."""
     head = f"## {title}\n"

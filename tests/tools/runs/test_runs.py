@@ -117,6 +117,20 @@ def test_a_step_repeated_by_a_resumed_attempt_is_counted_once_the_latest_kept(tm
     assert not log.skipped and log.complete_through(4)
 
 
+def test_a_step_a_guard_stopped_in_is_marked_unless_a_relaunch_went_on(tmp_path):
+    rows = [(1, {"critic/score/mean": 0.1}), (2, {"critic/score/mean": 0.2, "respo_verl/stopped": 1.0})]
+    stopped = read_log(write_lines(tmp_path / "stopped.jsonl", rows))
+    assert stopped.stopped_at == 2 and stopped.metrics["critic/score/mean"] == {1: 0.1, 2: 0.2}
+    assert stopped.continuity == ["stopped by a run guard in step 2 (its line has respo_verl/stopped = 1)"]
+    path = write_lines(tmp_path / "relaunched.jsonl", rows)
+    with path.open("a") as fh:
+        fh.write(json.dumps({"event": "resume", "attempt": 2}) + "\n")
+        fh.write(json.dumps({"step": 2, "data": {"critic/score/mean": 0.25}}) + "\n")
+    went_on = read_log(path)
+    assert went_on.stopped_at is None and not any("stopped" in note for note in went_on.continuity)
+    assert read_log(write_lines(tmp_path / "plain.jsonl", rows[:1])).stopped_at is None
+
+
 def test_the_patched_file_logger_appends_after_a_resume_line_and_the_reader_agrees(tmp_path, monkeypatch):
     """verl's own FileLogger under respo-verl's version-keyed patch (respo_verl/patches/verl_0_9_1.py)."""
     from verl.utils import tracking
