@@ -119,6 +119,7 @@ def test_kit_is_deterministic_and_its_reward_matches_the_task(tmp_path):
         compute_score("openai/gsm8k", "#### 42", "42")
 
 
+@pytest.mark.slow  # a fresh interpreter that imports verl (10-17 s)
 def test_cpu_activation_switches_platform_backend_and_rollout_in_a_fresh_process():
     code = """
 import os, torch.distributed as dist
@@ -146,6 +147,7 @@ print(get_device_name(), get_nccl_backend(), dist.get_backend(), get_rollout_cla
     ]
 
 
+@pytest.mark.slow  # a fresh interpreter that imports verl (10-17 s)
 def test_importing_the_package_and_plugin_applies_nothing_in_a_fresh_process():
     code = """
 import verl, respo_verl.verl.plugin, sys

@@ -20,6 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+# bash scripts with signals, sleeps and waits (2-7 s each)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "scripts/launch/slurm/respo_verl.sbatch"
 JOB_ID = "4242"

@@ -164,6 +164,7 @@ def test_a_node_without_cuda_is_named_with_the_gpu_count(tmp_path):
     assert line.endswith("needed by trainer.device=cuda, trainer.n_gpus_per_node=8")
 
 
+@pytest.mark.slow  # the probe in a fresh interpreter, once per preset (8-12 s)
 def test_the_cpu_presets_pass_on_this_machine_as_it_is(tmp_path):
     for overrides in (["+device=cpu"], ["+device=cpu_megatron", "model_engine=megatron"]):
         reqs = job_requirements(compose(["algorithm=respo", *overrides]))

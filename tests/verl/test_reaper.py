@@ -84,6 +84,7 @@ def _wait_gone(idents: list[tuple[int, int]], bound: float) -> list[int]:
 
 
 @pytest.mark.parametrize("how", ["sigkill", "exit"])
+@pytest.mark.slow  # a process tree killed and waited for (7 s each)
 def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(tmp_path, how):
     session = tmp_path / "session_2026-01-01_00-00-00_000001_42"
     bystander = _sleeper(str(session) + "2/logs")  # another session whose name starts like ours: not ours
