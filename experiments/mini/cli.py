@@ -251,7 +251,6 @@ class _Session:
                     task_name=self.args.task,
                 )
             print(f"base model {w} ({'Qwen3-MoE' if self.args.moe else 'Qwen3'}): {origin}", flush=True)
-        experiment.preload(self.args.algos)
 
     def configs(self, runs):
         """RunConfigs of (algorithm, N, lr, seed) tuples."""
