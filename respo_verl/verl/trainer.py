@@ -19,7 +19,8 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
   Two runs with verl's ``rollout.full_determinism`` (and a resumed run and an uninterrupted one) then agree to the
   last bit in every metric, not only in the weights.
 - **guards** on every step's metrics (:class:`GuardConfig`, the ``run_guard`` node of the presets): samples whose
-  reward failed and were replaced by padding (``respo_verl/failed_samples``, ``.../failed_share``) above a share, and
+  reward or rollout failed, replaced by padding or evicted by verl and generated again
+  (``respo_verl/failed_samples``, ``.../failed_share``, :func:`failed_sample_metrics`) above a share, and
   a collapsed policy (the clamp share of log W above a bound, or entropy near 0 with no group that carries a signal
   for K steps in a row) stop the run with the metric and the step named; so does an agent-loop worker that dies
   while a step waits for its samples (verl's replay buffer would wait for them for ever). A guard on a step's
@@ -45,6 +46,9 @@ TRAINER_MODE = "respo_sync"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_sync"
 FAILED_SAMPLES_KEY = "respo_verl/failed_samples"
 FAILED_SHARE_KEY = "respo_verl/failed_share"
+# verl's count (summed over a step) of prompt groups whose every sample failed (a reward or rollout that raised):
+# the replay buffer evicts them and generates new ones, so the step's batch is full and has no padding.
+EVICTED_GROUPS_KEY = "training/rollout_failure/evicted_samples"
 # 1.0 on the log line of the step a guard stopped the run in (that step's metrics are logged before the stop).
 STOPPED_KEY = "respo_verl/stopped"
 # Popped by verl's loop before it logs a step: a table for its own logger, not a metric.
@@ -69,8 +73,8 @@ class GuardConfig:
 
     Attributes:
         enable: run the guards at all.
-        max_failed_share: the largest share of a step's samples whose reward failed (replaced by padding) that the
-            run tolerates; 0 stops at the first failure.
+        max_failed_share: the largest share of a step's samples whose reward or rollout failed (replaced by
+            padding, or evicted and generated again) that the run tolerates; 0 stops at the first failure.
         max_clamp_share: the largest share of sequences with log W at the clamp (±log_w_clip) tolerated in a step.
         min_entropy: entropy below this counts as collapsed ...
         collapse_steps: ... when, in as many consecutive steps, no group carries a signal (all advantages 0).
@@ -115,9 +119,11 @@ class StepGuards:
             return
         share = metrics.get(FAILED_SHARE_KEY)
         if share is not None and share > c.max_failed_share:
+            evicted = metrics.get(EVICTED_GROUPS_KEY) or 0
             raise RunStopped(
                 f"step {step}: {FAILED_SHARE_KEY}={share:.4f} ({metrics.get(FAILED_SAMPLES_KEY)} samples whose "
-                f"reward failed were replaced by padding) > run_guard.max_failed_share={c.max_failed_share}"
+                f"reward or rollout failed: replaced by padding, or in the {evicted:g} group(s) verl evicted and "
+                f"generated again, {EVICTED_GROUPS_KEY}) > run_guard.max_failed_share={c.max_failed_share}"
             )
         for key, value in sorted(metrics.items()):
             if key.endswith(CLAMP_SUFFIX) and isinstance(value, int | float) and value > c.max_clamp_share:
@@ -140,15 +146,22 @@ class StepGuards:
             )
 
 
-def failed_sample_metrics(tags: list[dict], expected: int) -> dict[str, float]:
-    """Samples of a step replaced by padding: ``expected`` (prompts × n) minus the step's real samples.
+def failed_sample_metrics(tags: list[dict], expected: int, evicted_groups: float = 0, group_size: int = 1) -> dict:
+    """Samples of a step whose reward or rollout failed, as verl reports them, and their share of the samples the
+    step generated.
 
-    verl pads a batch for two reasons: to a multiple of the data-parallel size, and in place of prompt groups or
-    samples whose rollout or reward failed. Only the second leaves fewer than ``expected`` real samples.
+    Two kinds: samples replaced by padding (``expected``, prompts × n, minus the step's real samples: verl pads a
+    batch to a multiple of the data-parallel size too, but only a failure leaves fewer than ``expected`` real
+    samples), and the samples of the ``evicted_groups`` prompt groups (:data:`EVICTED_GROUPS_KEY`) that failed whole
+    and were generated again, ``group_size`` (n) each.
     """
+    if evicted_groups < 0 or float(evicted_groups) != int(evicted_groups):
+        raise ValueError(f"{EVICTED_GROUPS_KEY}={evicted_groups} is not a count of groups")
     real = sum(not tag.get("is_padding", False) for tag in tags)
-    failed = max(0, int(expected) - real)
-    return {FAILED_SAMPLES_KEY: float(failed), FAILED_SHARE_KEY: failed / expected if expected else 0.0}
+    regenerated = int(evicted_groups) * int(group_size)
+    failed = max(0, int(expected) - real) + regenerated
+    generated = int(expected) + regenerated
+    return {FAILED_SAMPLES_KEY: float(failed), FAILED_SHARE_KEY: failed / generated if generated else 0.0}
 
 
 def dead_agent_loop_workers(workers: list, step: int) -> None:
@@ -312,8 +325,10 @@ def _trainer_class() -> type:
 
         def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
             super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
-            expected = int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
-            metrics.update(failed_sample_metrics(list(batch.tags), expected))
+            n = int(self.config.actor_rollout_ref.rollout.n)
+            expected = int(self.config.data.train_batch_size) * n
+            evicted = metrics.get(EVICTED_GROUPS_KEY, 0)
+            metrics.update(failed_sample_metrics(list(batch.tags), expected, evicted, n))
             try:
                 self._guards.check(metrics, global_steps)
             except RunStopped:

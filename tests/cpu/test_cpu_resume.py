@@ -7,7 +7,7 @@ configuration into the same folder; a run whose driver is killed with SIGKILL af
 2, whose Ray processes must then be gone within the reaper's bound, and its relaunch. Two more stop a run: a
 collapsed policy, and an agent-loop worker that dies in the middle of a step. 13 minutes together on a 2-core
 machine shared with other jobs (load average 4-6: 582 s for the uninterrupted, SIGTERM and SIGKILL runs, 185 s for
-the other two).
+the other two). One more stops at a reward function that raises (81 s on the same machine, measured apart).
 
 The runs use verl's ``rollout.full_determinism``: the CPU rollout server then samples each request from (seed, step,
 request id), the trainer orders each step's samples by the data loader, and two fresh runs log the same metrics: the
@@ -366,6 +366,26 @@ def test_a_collapsed_policy_stops_the_run(kit, tmp_path):
     data = lines[0]["data"]
     assert data[STOPPED_KEY] == 1.0 and f"{data[tripped[1]]:.3f}" == tripped[2] and data[tripped[1]] > 0.1, data
     assert read_log(tmp_path / "log.jsonl").stopped_at == 1
+
+
+def test_a_reward_function_that_raises_stops_a_cpu_run_at_the_first_failure(kit, tmp_path):
+    """The reward function raises for one response of step 1 (tests/support/cpu_modules/raising_reward.py): verl
+    evicts that prompt group and generates it again (training/rollout_failure/evicted_samples), the step's batch is
+    full, and only verl's count says that a reward failed. The CPU preset's guard (max_failed_share 0) stops the run
+    in step 1, and the step's line, with the failure counted, is in the file log."""
+    reward = Path(__file__).resolve().parents[1] / "support" / "cpu_modules" / "raising_reward.py"
+    command = _command(tmp_path / "ckpt", 2, 2, "trainer.save_freq=-1", f"reward.custom_reward_function.path={reward}")
+    rc, out = _launch(tmp_path, command)
+    assert rc != 0, out[-4000:]
+    assert "raising_reward: the test's reward function fails for this response" in out, out[-4000:]
+    assert "RunStopped: step 1: respo_verl/failed_share=" in out and "max_failed_share=0.0" in out, out[-4000:]
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1], lines
+    data = lines[0]["data"]
+    # One group evicted: its n = 4 samples (the CPU preset's n), of the 4 × 4 + 4 the step generated.
+    assert data["training/rollout_failure/evicted_samples"] == 1.0, data
+    assert data["respo_verl/failed_samples"] == 4.0 and data["respo_verl/failed_share"] == 0.2, data
+    assert data[STOPPED_KEY] == 1.0, data
 
 
 def test_an_agent_loop_worker_that_dies_mid_step_stops_the_run(kit, tmp_path):

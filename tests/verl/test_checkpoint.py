@@ -153,6 +153,36 @@ def test_failed_samples_are_counted_from_the_padding_tags():
     assert failed_sample_metrics(tags, expected=8)[FAILED_SAMPLES_KEY] == 0.0
 
 
+def test_groups_verl_evicted_and_generated_again_count_as_failed_samples():
+    """verl's training/rollout_failure/evicted_samples counts prompt groups that failed whole (n samples each); the
+    step's batch is then full, without padding, and only verl's count says that anything failed."""
+    full = [{"is_padding": False}] * 8
+    metrics = failed_sample_metrics(full, expected=8, evicted_groups=1.0, group_size=2)
+    assert metrics == {FAILED_SAMPLES_KEY: 2.0, FAILED_SHARE_KEY: 0.2}  # 2 of the 10 samples generated
+    both = failed_sample_metrics(full[:6] + [{"is_padding": True}] * 2, expected=8, evicted_groups=2, group_size=2)
+    assert both == {FAILED_SAMPLES_KEY: 6.0, FAILED_SHARE_KEY: 0.5}  # 2 padded + 2 groups × 2, of 12
+    assert failed_sample_metrics(full, expected=8, evicted_groups=0, group_size=2)[FAILED_SAMPLES_KEY] == 0.0
+    for bad in (-1, 0.5):
+        with pytest.raises(ValueError, match=r"training/rollout_failure/evicted_samples=.* is not a count of groups"):
+            failed_sample_metrics(full, expected=8, evicted_groups=bad, group_size=2)
+
+
+def test_a_group_verl_evicted_stops_a_run_under_the_default_guard(monkeypatch):
+    """What verl reports after a reward function raised once (evicted_samples=1.0, a full batch) stops the run."""
+    trainer = _bare_trainer(monkeypatch, {"training/rollout_failure/evicted_samples": 1.0})
+    batch = type("Batch", (), {"tags": [{"is_padding": False}] * 4})()
+    stop = r"step 2: respo_verl/failed_share=0.3333 \(2.0 samples .* the 1 group\(s\) verl evicted .*max_failed_share=0"
+    with pytest.raises(RunStopped, match=stop):
+        trainer._compute_metrics(batch, {}, {}, global_steps=2, epoch=0)
+    step, logged = trainer.logger.logged[0]
+    assert step == 2 and logged[FAILED_SAMPLES_KEY] == 2.0 and logged[STOPPED_KEY] == 1.0
+    tolerant = _bare_trainer(monkeypatch, {"training/rollout_failure/evicted_samples": 1.0})
+    tolerant._guards = StepGuards(GuardConfig(max_failed_share=0.5))
+    metrics = {}
+    tolerant._compute_metrics(batch, metrics, {}, global_steps=2, epoch=0)
+    assert metrics[FAILED_SAMPLES_KEY] == 2.0 and tolerant.logger.logged == []
+
+
 def test_any_failed_sample_stops_the_cpu_default_and_a_share_is_tolerated_when_set():
     metrics = {FAILED_SHARE_KEY: 1 / 64, FAILED_SAMPLES_KEY: 1.0}
     with pytest.raises(RunStopped, match=r"step 7: respo_verl/failed_share=0.0156 .*max_failed_share=0.0"):
