@@ -15,8 +15,8 @@ os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import pytest
 
-from respo_verl.verl.compose import CPU_COMPOSE_OVERRIDES as _DATACLASS_OVERRIDES
-from respo_verl.verl.compose import compose_job
+from respo_verl.run.compose import CPU_COMPOSE_OVERRIDES as _DATACLASS_OVERRIDES
+from respo_verl.run.compose import compose_job
 
 # What verl's validate_config needs on top of the dataclass conversion's keys, without a GPU cluster: the
 # log-prob micro-batch sizes of the rollout and the reference model.

@@ -19,7 +19,8 @@ LAYERS = (
     {"algorithms", "entry_points", "protocol", "core"},  # imports nothing of the package but its own layer
     {"patches"},  # the one patch helper and the patched libraries
     {"routing"},  # route drift, HF and megatron-core replay, the route-drift engine
-    {"verl", "data"},  # verl glue: losses, estimator, config, plugin, composition, checks; data preparation
+    {"run"},  # a run's lifecycle: composition, checks before Ray, preflight, the trainer, checkpoints, the reaper
+    {"verl", "data"},  # verl glue: losses, estimator, config, the plugin that registers them (and the run's trainer)
     {"cpu"},  # verl on a CPU machine
     {"tools"},  # plan, sweep, report, runs, demo
     {"cli", "main_ppo"},  # the entry points

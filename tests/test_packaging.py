@@ -60,7 +60,7 @@ def test_listed_packages_are_the_packages_of_the_source_tree():
 def test_the_configs_package_is_the_top_level_folder():
     from importlib import resources
 
-    from respo_verl.verl.compose import CONFIG_PACKAGE, package_dir
+    from respo_verl.run.compose import CONFIG_PACKAGE, package_dir
 
     assert package_dir(CONFIG_PACKAGE).resolve() == CONFIGS.resolve()
     assert Path(str(resources.files(CONFIG_PACKAGE))).resolve() == CONFIGS.resolve()

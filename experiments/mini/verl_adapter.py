@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from respo_verl import algorithms
-from respo_verl.verl.compose import CPU_COMPOSE_OVERRIDES, compose_job
+from respo_verl.run.compose import CPU_COMPOSE_OVERRIDES, compose_job
 
 
 @dataclass
@@ -56,7 +56,7 @@ def load_algorithm(name: str, overrides: Sequence[str] = ()) -> AlgorithmSetup:
         overrides: further Hydra overrides (e.g. ``actor_rollout_ref.actor.policy_loss.respo.lambda_pos=1``).
 
     Raises:
-        ValueError: for an unknown preset; :class:`respo_verl.verl.compose.ComposeError` for overrides Hydra rejects.
+        ValueError: for an unknown preset; :class:`respo_verl.run.compose.ComposeError` for overrides Hydra rejects.
     """
     algorithms.get(name)
     from verl.trainer.ppo.core_algos import get_policy_loss_fn

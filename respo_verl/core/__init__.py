@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 # name -> defining module. Attributes are imported on first use (PEP 562), so that `respo_verl.core.config`
-# (stdlib only) can be imported without torch, e.g. by respo_verl.verl.jobcheck before a job is printed or planned.
+# (stdlib only) can be imported without torch, e.g. by respo_verl.run.jobcheck before a job is printed or planned.
 _EXPORTS = {
     "GroupAdvantage": "advantages",
     "group_relative_advantage": "advantages",

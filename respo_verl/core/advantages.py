@@ -9,6 +9,8 @@ import torch
 
 # verl's GRPO epsilon: keeps a group whose rewards are all equal (std 0) at advantage 0 instead of 0/0.
 GRPO_EPSILON = 1e-6
+# The name the estimator is registered under in verl (algorithm.adv_estimator=respo).
+ESTIMATOR = "respo"
 
 
 @dataclass

@@ -9,12 +9,12 @@ import torch
 from verl.trainer.ppo.core_algos import register_adv_est
 
 from respo_verl.core import group_relative_advantage
-from respo_verl.core.advantages import GRPO_EPSILON
+from respo_verl.core.advantages import ESTIMATOR, GRPO_EPSILON
 
 logger = logging.getLogger(__name__)
 
 
-@register_adv_est("respo")
+@register_adv_est(ESTIMATOR)
 def compute_respo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -45,6 +45,7 @@ class ReSPOPolicyLossConfig(PolicyLossConfig):
         # BaseConfig freezes assigned fields; normalising a mapping into the dataclass is part of construction.
         object.__setattr__(self, "respo", _as_kernel_config(self.respo, ReSPOConfig, "respo"))
         object.__setattr__(self, "vespo", _as_kernel_config(self.vespo, VESPOConfig, "vespo"))
-        from respo_verl.verl.plugin import require_policy_loss
+        from respo_verl.run.preflight import require_policy_loss
+        from respo_verl.verl import plugin  # noqa: F401  (registers the losses in this process)
 
         require_policy_loss(self.loss_mode)

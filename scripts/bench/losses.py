@@ -31,7 +31,7 @@ import torch
 from common import cpu_name, quartiles, write_json
 
 from respo_verl import algorithms
-from respo_verl.verl.compose import CPU_COMPOSE_OVERRIDES
+from respo_verl.run.compose import CPU_COMPOSE_OVERRIDES
 
 # The preset whose loss (verl's PPO-clip, ``vanilla``) is the reference of every ratio.
 REFERENCE_PRESET = "grpo"
@@ -44,7 +44,7 @@ def actor_config(algorithm: str) -> Any:
     """verl's actor dataclass composed from ``respo_trainer`` with ``algorithm=<algorithm>``, as verl builds it."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from respo_verl.verl.compose import compose_job
+    from respo_verl.run.compose import compose_job
 
     cfg = compose_job("respo", [f"algorithm={algorithm}", *CPU_COMPOSE_OVERRIDES])
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
-from respo_verl.verl.checkpoint import TRACKER
+from respo_verl.run.checkpoint import TRACKER
 
 MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
 

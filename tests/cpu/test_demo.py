@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from respo_verl.run.compose import compose_job
 from respo_verl.tools import demo
-from respo_verl.verl.compose import compose_job
 
 
 def test_log_path_follows_verls_file_logger_variables(tmp_path, monkeypatch):

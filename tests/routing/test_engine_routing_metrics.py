@@ -208,8 +208,9 @@ def test_the_presets_vendor_selects_the_route_drift_engine_and_removal_unregiste
 def test_the_plugin_registers_the_engines_only_once_verl_imports_its_megatron_engine():
     """A process that imports verl (driver, TaskRunner, rollout) imports nothing of Megatron through the plugin."""
     code = (
-        "import sys, verl, respo_verl.verl.plugin as p\n"
-        "print('megatron.core' in sys.modules, p.registered()['engine/route_drift'])\n"
+        "import sys, verl, respo_verl.verl.plugin\n"
+        "from respo_verl.run.preflight import registered\n"
+        "print('megatron.core' in sys.modules, registered()['engine/route_drift'])\n"
         "from verl.workers.engine.base import EngineRegistry  # imports every engine module of verl\n"
         "print(('cuda', 'respo_route_drift') in EngineRegistry._engines['language_model']['megatron'])\n"
     )
@@ -298,7 +299,8 @@ def _in_subprocess(code: str, tmp_path, prelude: str = "") -> subprocess.Complet
 @pytest.mark.slow
 def test_a_broken_megatron_engine_stops_the_trainer_with_its_cause_and_leaves_the_rollout_alone(tmp_path):
     rollout = _in_subprocess(
-        "import verl, respo_verl.verl.plugin as p; print(sorted(k for k, v in p.registered().items() if v))",
+        "import verl, respo_verl.verl.plugin; from respo_verl.run.preflight import registered; "
+        "print(sorted(k for k, v in registered().items() if v))",
         tmp_path,
         _BROKEN_ENGINE,
     )

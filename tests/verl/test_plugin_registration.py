@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from respo_verl.core.advantages import ESTIMATOR
+from respo_verl.core.losses import KERNELS
 from respo_verl.entry_points import INSTALL_HINT
 from respo_verl.verl.config import ReSPOPolicyLossConfig
-from respo_verl.verl.plugin import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 # Every verl process imports torch and verl first (about 5 s on an idle 2-core box); this bounds a hang, not a run.
 SUBPROCESS_TIMEOUT_S = 180
@@ -28,8 +29,8 @@ RAY_GET_TIMEOUT_S = 120
 RAY_OBJECT_STORE_BYTES = 80 * 1024**2
 RESULT_MARKER = "RESULT_JSON:"
 ALL_REGISTERED = {
-    **{f"policy_loss/{name}": True for name in POLICY_LOSSES},
-    **{f"adv_estimator/{name}": True for name in ADVANTAGE_ESTIMATORS},
+    **{f"policy_loss/{name}": True for name in KERNELS},
+    f"adv_estimator/{ESTIMATOR}": True,
     "engine/route_drift": True,
     "trainer/respo_sync": True,
 }
@@ -188,7 +189,7 @@ def test_entry_points_off_in_a_ray_worker_register_nothing(ray_cluster):
 
 @pytest.mark.slow
 def test_preflight_passes_on_a_healthy_cluster(ray_cluster):
-    from respo_verl.verl.preflight import check_ray_nodes
+    from respo_verl.run.preflight import check_ray_nodes
 
     results = check_ray_nodes(timeout_s=RAY_GET_TIMEOUT_S)
     assert len(results) == 1
@@ -203,7 +204,7 @@ def test_preflight_passes_on_a_healthy_cluster(ray_cluster):
 PREFLIGHT_DRIVER = """
 import json, sys
 import ray
-from respo_verl.verl.preflight import check_ray_nodes
+from respo_verl.run.preflight import check_ray_nodes
 
 ray.init(address=sys.argv[1], runtime_env={"env_vars": json.loads(sys.argv[2])}, log_to_driver=False)
 nodes = [{"address": n["NodeManagerAddress"], "id": n["NodeID"]} for n in ray.nodes() if n.get("Alive")]

@@ -36,7 +36,7 @@ MISSING_MODEL_PLACEHOLDER = "MODEL-PATH-MISSING"
 
 def verl_default_model_path() -> str:
     """verl's default ``actor_rollout_ref.model.path`` (its ``model/hf_model.yaml``), read without importing verl."""
-    from respo_verl.verl.compose import VERL_CONFIG_PACKAGE, package_dir
+    from respo_verl.run.compose import VERL_CONFIG_PACKAGE, package_dir
 
     return str(OmegaConf.load(package_dir(VERL_CONFIG_PACKAGE) / "model" / "hf_model.yaml").path)
 

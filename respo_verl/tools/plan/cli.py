@@ -21,14 +21,14 @@ from rich.console import Console
 from rich.table import Table
 
 from respo_verl import algorithms
+from respo_verl.run.jobcheck import check_job
+from respo_verl.run.requirements import install_line, job_requirements
 from respo_verl.tools.plan.checkpoints import checkpoint_plan
 from respo_verl.tools.plan.layout import Layout, LayoutError, layout_from_config
 from respo_verl.tools.plan.memory import MemoryEstimate, estimate_memory
 from respo_verl.tools.plan.models import SHIPPED_MODELS, ModelConfigError, ModelShape, shape_from_hf_config
 from respo_verl.tools.plan.presets import GPU_MEMORY_GIB, PRESETS, PresetError, compose_preset
 from respo_verl.tools.plan.rules import Violation, check_layout, size_violations
-from respo_verl.verl.jobcheck import check_job
-from respo_verl.verl.requirements import install_line, job_requirements
 
 EXIT_FITS, EXIT_VIOLATIONS, EXIT_BAD_INPUT = 0, 1, 2
 TABLE_WIDTH = 120

@@ -12,7 +12,7 @@ from importlib import resources
 from omegaconf import DictConfig
 
 from respo_verl.entry_points import CONFIG_PACKAGE
-from respo_verl.verl.compose import ComposeError, compose_job
+from respo_verl.run.compose import ComposeError, compose_job
 
 # Usable memory per GPU as the driver reports it (nvidia-smi total), in GiB.
 H100_80GB_GIB = 79.6  # 81559 MiB

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from respo_verl.algorithms import ALGORITHMS
 from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
+from respo_verl.run.compose import ComposeError, compose_job
 from respo_verl.tools.runs.manifest import RunRecord
-from respo_verl.verl.compose import ComposeError, compose_job
 
 ENTRY_MODULES = {"respo": "respo_verl.main_ppo", "verl": "verl.trainer.main_ppo"}  # python -m <module>
 # The interpreter of a run's command: the cluster's ``python``, so that a printed line can be pasted there (a local
@@ -41,7 +41,7 @@ ROUTING_MODES = ("off", "r2", "r3")
 
 
 class SweepError(ValueError):
-    """A run whose job does not compose or does not pass :func:`respo_verl.verl.jobcheck.check_job` (one line)."""
+    """A run whose job does not compose or does not pass :func:`respo_verl.run.jobcheck.check_job` (one line)."""
 
 
 @dataclass
@@ -194,7 +194,7 @@ def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
 
     With ``compose``, the job of every distinct configuration (one per algorithm and N: seeds differ only in the
     per-run keys, which the hash leaves out) is composed as its entry point composes it, checked with
-    :func:`respo_verl.verl.jobcheck.check_job` and hashed, before anything is printed or launched. Hydra runs once
+    :func:`respo_verl.run.jobcheck.check_job` and hashed, before anything is printed or launched. Hydra runs once
     per algorithm (:func:`_job_of`). The composed job's ``model_engine`` selects the engine's seed key; without
     ``compose`` only a ``model_engine=`` among the base overrides does, and without one that key is not set.
 
@@ -203,7 +203,7 @@ def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
     """
     from omegaconf import OmegaConf
 
-    from respo_verl.verl.jobcheck import check_job
+    from respo_verl.run.jobcheck import check_job
 
     records = []
     versions = _versions()

@@ -16,10 +16,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from respo_verl.cli import main as cli_main
+from respo_verl.run.compose import compose_job
 from respo_verl.tools.runs.manifest import read_manifest, write_manifest
 from respo_verl.tools.sweep.grid import SweepSpec, expand
 from respo_verl.tools.sweep.runner import is_complete, run_locally, submit_to_ray
-from respo_verl.verl.compose import compose_job
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -100,7 +100,7 @@ def compose_job(entry: str, overrides: Sequence[str] = ()):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from respo_verl.verl import resolvers
+    from respo_verl.run import resolvers
 
     resolvers.register()  # the presets' ${respo_verl.*:...} interpolations
     if entry not in ENTRY_CONFIGS:

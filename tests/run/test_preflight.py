@@ -1,4 +1,4 @@
-"""The per-node requirement check (respo_verl.verl.requirements.check_missing) against real imports.
+"""The per-node requirement check (respo_verl.run.requirements.check_missing) against real imports.
 
 Each case runs a fresh interpreter whose ``PYTHONPATH`` starts with a folder of stand-ins for the GPU stack
 (vLLM, Transformer Engine, DeepEP, flash-attn, mbridge, Megatron-Bridge), as an install on a GPU node would provide
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from respo_verl.verl.requirements import Requirement, job_requirements
+from respo_verl.run.requirements import Requirement, job_requirements
 
 PAPER_PRESET = "qwen3_30b_a3b_h200_1x8"
 MG = "actor_rollout_ref.actor.megatron"
@@ -59,7 +59,7 @@ if json.loads(sys.argv[3]):  # a node with 8 GPUs
 
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 8
-from respo_verl.verl.requirements import Requirement, check_missing
+from respo_verl.run.requirements import Requirement, check_missing
 
 reqs = [Requirement(**{**r, "alternatives": tuple(r["alternatives"])}) for r in json.loads(sys.argv[1])]
 print("@RESULT@" + json.dumps(check_missing(reqs)))
@@ -175,8 +175,8 @@ def test_the_cpu_presets_pass_on_this_machine_as_it_is(tmp_path):
 RAY_DRIVER = """
 import json, sys
 import ray
-from respo_verl.verl.preflight import check_ray_nodes
-from respo_verl.verl.requirements import Requirement
+from respo_verl.run.preflight import check_ray_nodes
+from respo_verl.run.requirements import Requirement
 
 reqs = [Requirement(**{**r, "alternatives": tuple(r["alternatives"])}) for r in json.loads(sys.argv[1])]
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=sys.argv[2])
@@ -247,8 +247,8 @@ def test_the_ray_preflight_counts_the_gpus_the_node_shows_not_the_none_ray_gives
 
 
 def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_preflight(monkeypatch, capsys):
-    import respo_verl.verl.preflight as preflight
-    from respo_verl.main_ppo import _with_driver_hooks
+    import respo_verl.run.preflight as preflight
+    from respo_verl.run.launch import with_driver_hooks
 
     seen = {}
 
@@ -264,7 +264,7 @@ def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_pr
     monkeypatch.setattr(preflight, "check_ray_nodes", failing_preflight)
     config = compose(["algorithm=respo", f"+cluster={PAPER_PRESET}", "+task=dapo_math_overlong"])
     with pytest.raises(SystemExit) as exit_info:
-        _with_driver_hooks(Runner, config).remote()
+        with_driver_hooks(Runner, config).remote()
     assert exit_info.value.code == 2
     assert seen["requirements"] == _requirements()
     err = capsys.readouterr().err

@@ -11,9 +11,9 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from respo_verl.verl import checkpoint, resolvers
-from respo_verl.verl.checkpoint import CheckpointError, identity, plan_resume, write_marker_info
-from respo_verl.verl.trainer import (
+from respo_verl.run import checkpoint, resolvers
+from respo_verl.run.checkpoint import CheckpointError, identity, plan_resume, write_marker_info
+from respo_verl.run.trainer import (
     FAILED_SAMPLES_KEY,
     FAILED_SHARE_KEY,
     STOPPED_KEY,
@@ -217,7 +217,7 @@ def _bare_trainer(monkeypatch, step_metrics: dict):
     Tracking a recorder of what each backend would get."""
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from respo_verl.verl.trainer import _trainer_class
+    from respo_verl.run.trainer import _trainer_class
 
     def verl_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         metrics.update(step_metrics)

@@ -1,4 +1,4 @@
-"""respo_verl.verl.compose: the one compose function. Same job as Hydra's own `pkg://` composition of both entry points,
+"""respo_verl.run.compose: the one compose function. Same job as Hydra's own `pkg://` composition of both entry points,
 no verl import, one-line errors, Hydra's global state cleared."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from respo_verl.verl.compose import CPU_COMPOSE_OVERRIDES, ComposeError, compose_job, package_dir
+from respo_verl.run.compose import CPU_COMPOSE_OVERRIDES, ComposeError, compose_job, package_dir
 
 CASES = [
     ("respo", ["algorithm=respo"]),
@@ -45,7 +45,7 @@ def test_same_job_as_the_entry_points_compose(entry, overrides):
 def test_composing_does_not_import_verl_or_torch():
     code = (
         "import sys\n"
-        "from respo_verl.verl.compose import compose_job\n"
+        "from respo_verl.run.compose import compose_job\n"
         "compose_job('respo', ['algorithm=respo', '+cluster=qwen3_30b_a3b_h200_1x8'])\n"
         "compose_job('verl', ['+algorithm=vespo', '+cluster=qwen3_1p7b_h100_1x8'])\n"
         "print(sorted(m for m in ('verl', 'torch', 'ray') if m in sys.modules))\n"

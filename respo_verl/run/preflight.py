@@ -1,20 +1,25 @@
 """Start-up check that every Ray node can import respo_verl, sees its registrations, and has what the job needs.
 
 What the job needs (vLLM, megatron-core, Transformer Engine, DeepEP, CUDA GPUs, ...) is derived from the composed
-config by :func:`respo_verl.verl.requirements.job_requirements`; the probe imports each piece on every node
-(:func:`respo_verl.verl.requirements.check_missing`).
+config by :func:`respo_verl.run.requirements.job_requirements`; the probe imports each piece on every node
+(:func:`respo_verl.run.requirements.check_missing`).
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 import socket
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from respo_verl.entry_points import INSTALL_HINT
-from respo_verl.verl.requirements import Requirement
+from respo_verl.core.advantages import ESTIMATOR
+from respo_verl.core.losses import KERNELS
+from respo_verl.entry_points import INSTALL_HINT, PLUGIN_MODULE
+from respo_verl.routing.engine import REGISTRATION as ROUTE_DRIFT_ENGINES
+from respo_verl.run.requirements import Requirement
+from respo_verl.run.trainer import REGISTRATION as TRAINER
 
 # Long enough for a cold worker process to import torch and verl on a busy node.
 PREFLIGHT_TIMEOUT_S = 300.0
@@ -27,11 +32,34 @@ PROBE_RUNTIME_ENV = {
 }
 
 
+def require_policy_loss(loss_mode: str) -> None:
+    """Raise unless ``loss_mode`` is registered in verl's policy-loss registry."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise ValueError(
+            f"policy_loss.loss_mode={loss_mode!r} is not registered in verl "
+            f"(registered: {sorted(POLICY_LOSS_REGISTRY)}); {INSTALL_HINT}"
+        )
+
+
+def registered() -> dict[str, bool]:
+    """Which of the plugin's registrations are visible in this process: every kernel loss, the estimator, the
+    route-drift engines and the respo-verl trainer."""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
+
+    status = {f"policy_loss/{name}": name in POLICY_LOSS_REGISTRY for name in KERNELS}
+    status[f"adv_estimator/{ESTIMATOR}"] = ESTIMATOR in ADV_ESTIMATOR_REGISTRY
+    status["engine/route_drift"] = ROUTE_DRIFT_ENGINES.applied
+    status["trainer/respo_sync"] = TRAINER.applied
+    return status
+
+
 def _probe(requirements: tuple[Requirement, ...] = ()) -> dict:
     """Runs on one node: which of our registrations are visible there, and which of ``requirements`` are missing."""
     host = socket.gethostname()
     try:
-        from respo_verl.verl.requirements import check_missing
+        from respo_verl.run.requirements import check_missing
 
         missing = check_missing(list(requirements))
     except Exception as exc:  # reported with the rest; the registration check below still runs
@@ -39,8 +67,8 @@ def _probe(requirements: tuple[Requirement, ...] = ()) -> dict:
     try:
         import verl  # noqa: F401  (loads the verl.plugins entry points, as in every verl process)
 
-        from respo_verl.verl.plugin import registered
-
+        # By name, as verl loads VERL_USE_EXTERNAL_MODULES: the probe also passes with verl's entry points turned off.
+        importlib.import_module(PLUGIN_MODULE)
         return {"host": host, "registered": registered(), "error": None, "missing": missing}
     except Exception as exc:  # reported back to the driver, which raises with the node named
         return {"host": host, "registered": {}, "error": f"{type(exc).__name__}: {exc}", "missing": missing}
@@ -60,7 +88,7 @@ def check_ray_nodes(
 
     A node fails when the probe reports missing registrations, when the probe itself cannot run there (a node
     without respo_verl cannot even load this module, and Ray raises on ``get``), when it does not answer within
-    ``timeout_s``, or when one of ``requirements`` (:func:`respo_verl.verl.requirements.job_requirements` of the
+    ``timeout_s``, or when one of ``requirements`` (:func:`respo_verl.run.requirements.job_requirements` of the
     job) does not import there or the node shows fewer CUDA GPUs than the job asks for.
 
     The error's first line is ``respo-verl preflight failed on ...``; each missing requirement adds a line

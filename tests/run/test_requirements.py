@@ -1,4 +1,4 @@
-"""What each composed job needs installed (respo_verl.verl.requirements.job_requirements), from the shipped presets
+"""What each composed job needs installed (respo_verl.run.requirements.job_requirements), from the shipped presets
 and the CPU presets, composed as the entry point composes them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from functools import cache
 import pytest
 from conftest import compose
 
+from respo_verl.run.requirements import Requirement, install_line, job_requirements
 from respo_verl.tools.plan.presets import PRESETS
-from respo_verl.verl.requirements import Requirement, install_line, job_requirements
 
 MG = "actor_rollout_ref.actor.megatron"
 TF = f"{MG}.override_transformer_config"

@@ -8,7 +8,7 @@ Ray's fate sharing, which ends GCS and raylet at once, but Ray's agents lived on
 (measured: ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``, 40-70 s), and any process whose parent had not
 ended with it stays until it notices.
 
-:func:`watch_driver` starts a watchdog, ``python -m respo_verl.verl.reaper``, in a session of its own (a kill of the
+:func:`watch_driver` starts a watchdog, ``python -m respo_verl.run.reaper``, in a session of its own (a kill of the
 driver's process group does not reach it). While the driver lives, the watchdog records the driver's descendants
 every :data:`SCAN_INTERVAL_S` seconds, each by pid and start time (a pid the kernel has reused is never taken for
 one recorded). Once the driver has ended, it stops what is left of that cluster: the recorded processes still
@@ -176,7 +176,7 @@ def watch_driver(session_dir: str | None, driver_pid: int | None = None) -> subp
     proc = _read_stat(pid)
     if proc is None:
         raise ValueError(f"no process {pid} to watch")
-    command = [sys.executable, "-m", "respo_verl.verl.reaper", str(pid), str(proc.start)]
+    command = [sys.executable, "-m", "respo_verl.run.reaper", str(pid), str(proc.start)]
     if session_dir:
         command += ["--session-dir", str(session_dir)]
     return subprocess.Popen(
@@ -198,7 +198,7 @@ def _append_to_stderr_file() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m respo_verl.verl.reaper", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m respo_verl.run.reaper", description=__doc__.split("\n")[0])
     parser.add_argument("driver_pid", type=int)
     parser.add_argument("driver_start", type=int, help="the driver's start time, field 22 of /proc/<pid>/stat")
     parser.add_argument("--session-dir", default=None, help="the Ray session folder the driver started")

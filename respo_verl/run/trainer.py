@@ -5,13 +5,13 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
 ``trainer.v1.trainer_mode``. It adds, to verl's ``PPOTrainerSync`` and nothing else:
 
 - **checkpoints that know their run.** After verl has saved a checkpoint and logged its step's metrics,
-  :mod:`respo_verl.verl.checkpoint`'s marker (the run's fingerprint) is written into it; before verl resumes, the
+  :mod:`respo_verl.run.checkpoint`'s marker (the run's fingerprint) is written into it; before verl resumes, the
   folder is checked: a checkpoint of another configuration stops the run, one without the marker (half-written, or
-  its step's line never logged) is skipped loudly (:func:`respo_verl.verl.checkpoint.plan_resume`).
+  its step's line never logged) is skipped loudly (:func:`respo_verl.run.checkpoint.plan_resume`).
 - **a log that keeps every step.** verl's file logger opens its file with ``"wb"``; the trainer applies
   :data:`respo_verl.patches.verl_0_9_1.FILE_LOGGER_APPEND`, under which a resumed run appends to its log after a
   line that marks the resume (:data:`respo_verl.patches.verl_0_9_1.RESUME_EVENT`).
-- **a stop on request.** When :func:`respo_verl.verl.checkpoint.stop_request` exists (the entry point writes it on
+- **a stop on request.** When :func:`respo_verl.run.checkpoint.stop_request` exists (the entry point writes it on
   SIGTERM), the trainer saves a checkpoint at the end of the current step and ends the run.
 - **samples in the order of the data loader.** verl's replay buffer hands a step its samples in the order the
   rollouts finished; the trainer puts them in the data loader's order of their prompts, then by sample
@@ -208,10 +208,10 @@ def _trainer_class() -> type:
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     from respo_verl.patches import verl_0_9_1
-    from respo_verl.verl import checkpoint
+    from respo_verl.run import checkpoint
 
     class RespoTrainer(PPOTrainerSync):
-        """verl's ``PPOTrainerSync`` with the additions of :mod:`respo_verl.verl.trainer`."""
+        """verl's ``PPOTrainerSync`` with the additions of :mod:`respo_verl.run.trainer`."""
 
         def __init__(self, config, *args, **kwargs):
             guard = GuardConfig.from_config(config.get("run_guard"))

@@ -1,4 +1,4 @@
-"""Which trainer ``python -m respo_verl.main_ppo`` runs, and the Ray watchdog it starts (respo_verl/main_ppo.py).
+"""Which trainer ``python -m respo_verl.main_ppo`` runs, and the Ray watchdog it starts (respo_verl/run/launch.py).
 
 verl's legacy trainer (``trainer.use_v1=false``) has none of the respo-verl trainer's additions, so our entry point
 refuses it while the run guards are on, in one line naming the key, before Ray starts.
@@ -10,7 +10,8 @@ import pytest
 from support.entry import run_entry
 
 from respo_verl import main_ppo
-from respo_verl.verl.compose import compose_job
+from respo_verl.run import launch
+from respo_verl.run.compose import compose_job
 
 LEGACY = "trainer.use_v1=false"
 
@@ -26,10 +27,10 @@ def test_the_legacy_trainer_is_refused_in_one_line_before_ray(tmp_path):
 
 
 def test_the_legacy_trainer_runs_when_the_guards_are_turned_off():
-    main_ppo.check_trainer(compose_job(main_ppo.ENTRY, ["algorithm=respo", LEGACY, "run_guard.enable=false"]))
-    main_ppo.check_trainer(compose_job(main_ppo.ENTRY, ["algorithm=respo"]))  # the V1 trainer: nothing to refuse
+    launch.check_trainer(compose_job(main_ppo.ENTRY, ["algorithm=respo", LEGACY, "run_guard.enable=false"]))
+    launch.check_trainer(compose_job(main_ppo.ENTRY, ["algorithm=respo"]))  # the V1 trainer: nothing to refuse
     with pytest.raises(ValueError, match=LEGACY):
-        main_ppo.check_trainer(compose_job(main_ppo.ENTRY, ["algorithm=vespo", LEGACY]))
+        launch.check_trainer(compose_job(main_ppo.ENTRY, ["algorithm=vespo", LEGACY]))
 
 
 def test_no_watchdog_without_a_local_cluster_of_this_driver():
@@ -38,4 +39,4 @@ def test_no_watchdog_without_a_local_cluster_of_this_driver():
     import ray
 
     assert not ray.is_initialized()
-    assert main_ppo._stop_local_ray_with_driver() is None
+    assert launch.stop_local_ray_with_driver() is None

@@ -1,7 +1,7 @@
 """What a composed job needs installed on every node, and which of it the current process lacks.
 
 :func:`job_requirements` reads the composed configuration (an OmegaConf node) and imports nothing: the planner
-prints its result (``respo-verl plan``), and the per-node preflight (:mod:`respo_verl.verl.preflight`) ships it to
+prints its result (``respo-verl plan``), and the per-node preflight (:mod:`respo_verl.run.preflight`) ships it to
 every Ray node, where :func:`check_missing` imports each piece. Each requirement names the config key (with its
 value) that makes the job need it, so that a missing piece can be fixed either way: install it, or change the key.
 

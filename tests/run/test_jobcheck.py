@@ -8,8 +8,8 @@ import sys
 import pytest
 from support.entry import run_entry
 
-from respo_verl.verl.compose import compose_job
-from respo_verl.verl.jobcheck import check_job
+from respo_verl.run.compose import compose_job
+from respo_verl.run.jobcheck import check_job
 
 LOSS = "actor_rollout_ref.actor.policy_loss"
 
@@ -54,7 +54,7 @@ def test_valid_jobs_pass(overrides):
 
 def test_checking_a_job_imports_neither_verl_nor_torch():
     code = (
-        "import sys; from omegaconf import OmegaConf; from respo_verl.verl.jobcheck import check_job\n"
+        "import sys; from omegaconf import OmegaConf; from respo_verl.run.jobcheck import check_job\n"
         "cfg = OmegaConf.create({'actor_rollout_ref': {'actor': {'policy_loss': {'respo': {'alpha_pos': 0.5}}}}})\n"
         "try:\n    check_job(cfg)\nexcept ValueError as exc:\n    print(exc)\n"
         "print(sorted(m for m in ('verl', 'hydra', 'torch') if m in sys.modules))"
@@ -81,7 +81,7 @@ def _model_job(path, *overrides):
 
 
 def test_a_local_model_path_that_is_not_there_is_refused_and_a_hub_id_is_left_to_verl(tmp_path):
-    from respo_verl.verl.jobcheck import ModelCheckError, check_model
+    from respo_verl.run.jobcheck import ModelCheckError, check_model
 
     with pytest.raises(ModelCheckError, match=rf"^actor_rollout_ref.model.path={tmp_path}/nope: no such file"):
         check_model(_model_job(tmp_path / "nope"))
@@ -90,7 +90,7 @@ def test_a_local_model_path_that_is_not_there_is_refused_and_a_hub_id_is_left_to
 
 def test_routing_replay_on_a_dense_model_is_refused():
     from respo_verl.cpu.kit.build import KitSpec, build_kit
-    from respo_verl.verl.jobcheck import ModelCheckError, check_model
+    from respo_verl.run.jobcheck import ModelCheckError, check_model
 
     dense = build_kit(KitSpec(), progress=False)
     moe = build_kit(KitSpec(moe=True), progress=False)
@@ -135,7 +135,7 @@ def test_a_local_cuda_job_on_a_machine_without_cuda_is_refused_before_ray(tmp_pa
     # Sent to a cluster instead, the check is left to the per-node preflight.
     from omegaconf import OmegaConf
 
-    from respo_verl.verl.jobcheck import check_machine
+    from respo_verl.run.jobcheck import check_machine
 
     cluster = {"trainer": {"device": "cuda"}, "ray_kwargs": {"ray_init": {"address": "10.0.0.1"}}}
     check_machine(OmegaConf.create(cluster))

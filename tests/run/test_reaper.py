@@ -1,4 +1,4 @@
-"""The watchdog that stops a driver's local Ray cluster once the driver has ended (respo_verl/verl/reaper.py).
+"""The watchdog that stops a driver's local Ray cluster once the driver has ended (respo_verl/run/reaper.py).
 
 Real processes, no Ray: a stand-in driver starts a tree of children (one that ignores SIGTERM, one orphaned before
 the driver dies, one that names the session folder but is not in the driver's tree), starts the watchdog as our
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from respo_verl.verl.reaper import REAP_BOUND_S, SCAN_INTERVAL_S, _read_stat, alive, descendants, names_folder
+from respo_verl.run.reaper import REAP_BOUND_S, SCAN_INTERVAL_S, _read_stat, alive, descendants, names_folder
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc")
 
@@ -36,7 +36,7 @@ SLEEPER = (
 # The stand-in driver: children, the watchdog, an orphan, then the pids on stdout; it ends as told.
 DRIVER = """
 import json, os, subprocess, sys, time
-from respo_verl.verl.reaper import watch_driver
+from respo_verl.run.reaper import watch_driver
 session, how = sys.argv[1], sys.argv[2]
 sleeper = [sys.executable, "-c", {sleeper!r}]
 child = subprocess.Popen(sleeper)
@@ -120,7 +120,7 @@ def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(
 
 
 def test_descendants_and_folder_names():
-    from respo_verl.verl.reaper import Proc
+    from respo_verl.run.reaper import Proc
 
     table = {p: Proc(p, pp, 0, "S") for p, pp in [(1, 0), (10, 1), (11, 10), (12, 11), (20, 1), (13, 10)]}
     assert descendants({10}, table) == {11, 12, 13}
@@ -130,7 +130,7 @@ def test_descendants_and_folder_names():
 
 
 def test_watch_driver_refuses_a_pid_that_is_not_there():
-    from respo_verl.verl.reaper import watch_driver
+    from respo_verl.run.reaper import watch_driver
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -1,0 +1,167 @@
+"""The steps of a run that come after composition, in the order the entry point takes them.
+
+:func:`check_trainer` and :func:`check_resume` refuse, before anything starts, verl's legacy trainer with the
+guards on and a resume from another run's checkpoint (the job's own checks are :mod:`respo_verl.run.jobcheck`'s).
+:func:`train` checks the
+machine, the model and the data before Ray, validates the job as verl's own entry point does, and starts verl's
+TaskRunner with two hooks that run once Ray is up: the node preflight (:mod:`respo_verl.run.preflight`) and the
+SIGTERM handler (save at the end of the step, then stop). A Ray cluster the driver starts itself is stopped once the
+driver has ended, however it ended (:mod:`respo_verl.run.reaper`).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from respo_verl.run.datacheck import check_data
+from respo_verl.run.jobcheck import check_machine, check_model
+
+PROG = "respo_verl.main_ppo"  # how the run's own lines name it
+_WATCHDOG = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
+
+
+def with_driver_hooks(runner_cls, config: DictConfig):
+    """A stand-in for a TaskRunner actor class that, once Ray is up and right before the runner starts, runs the node
+    preflight and installs the SIGTERM handler (:func:`stop_on_sigterm`; here, because ``ray.init`` installs Ray's
+    own handler, which aborts the driver).
+
+    The preflight checks on every node that this package is registered there and that what the job needs
+    (:func:`respo_verl.run.requirements.job_requirements`: rollout engine, Megatron stack, DeepEP, CUDA GPUs)
+    imports there; a failure ends the run with exit 2 and one line per missing piece, before any model is loaded.
+    """
+    from respo_verl.run.preflight import check_ray_nodes
+    from respo_verl.run.requirements import job_requirements
+
+    def _before_start():
+        stop_local_ray_with_driver()
+        try:
+            check_ray_nodes(requirements=job_requirements(config))
+        except RuntimeError as exc:  # check_ray_nodes raises RuntimeError only for a failed preflight
+            print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        stop_on_sigterm(config)
+
+    class _HookedTaskRunner:
+        @staticmethod
+        def remote(*args, **kwargs):
+            _before_start()
+            return runner_cls.remote(*args, **kwargs)
+
+        @staticmethod
+        def options(*args, **kwargs):
+            _before_start()
+            return runner_cls.options(*args, **kwargs)
+
+    return _HookedTaskRunner
+
+
+def stop_local_ray_with_driver():
+    """When this driver started its own Ray cluster (``ray.init`` without an address), start the watchdog that stops
+    that cluster's processes once the driver has ended, SIGKILL included (:mod:`respo_verl.run.reaper`). A cluster
+    the job connected to through an address is left alone. Returns the watchdog's process, or None."""
+    import ray._private.worker as ray_worker
+
+    from respo_verl.run.reaper import watch_driver
+
+    global _WATCHDOG
+    node = getattr(ray_worker, "_global_node", None)
+    if node is None or not getattr(node, "ray_init_cluster", False):
+        return None
+    _WATCHDOG = watch_driver(node.get_session_dir_path())
+    return _WATCHDOG
+
+
+def stop_on_sigterm(config: DictConfig) -> Path | None:
+    """Turn SIGTERM (Slurm's ``--signal``, a Kubernetes eviction) into a request to save and stop.
+
+    With the respo-verl trainer (``trainer.use_v1``, ``trainer.v1.trainer_mode=respo_sync``), the handler writes the
+    run's stop request (:func:`respo_verl.run.checkpoint.stop_request`); the trainer, in its Ray actor, saves a
+    checkpoint at the end of the step it is in and ends the run, and this process exits 0. A stale request of an
+    earlier attempt is removed first. Any other trainer keeps Python's default (the process ends at once). Returns
+    the request's path, or None when the handler was not installed.
+    """
+    from respo_verl.run import checkpoint
+
+    if not uses_respo_trainer(config):
+        return None
+    request = checkpoint.stop_request(config)
+    request.unlink(missing_ok=True)
+
+    def _request_stop(signum, frame):
+        request.parent.mkdir(parents=True, exist_ok=True)
+        request.touch()
+        print(
+            f"{PROG}: {signal.Signals(signum).name}: the trainer saves at the end of this step and "
+            f"stops ({request}); send SIGKILL to end at once",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    signal.signal(signal.SIGTERM, _request_stop)
+    return request
+
+
+def uses_respo_trainer(config: DictConfig) -> bool:
+    from omegaconf import OmegaConf
+
+    from respo_verl.run.trainer import TRAINER_MODE
+
+    use_v1 = config.get("trainer", {}).get("use_v1", True)
+    return bool(use_v1) and OmegaConf.select(config, "trainer.v1.trainer_mode") == TRAINER_MODE
+
+
+def check_resume(config: DictConfig) -> None:
+    """With the respo-verl trainer, refuse a resume from another run's checkpoint before Ray starts (the trainer
+    checks again when it loads; :func:`respo_verl.run.checkpoint.plan_resume`)."""
+    if uses_respo_trainer(config):
+        from respo_verl.run.checkpoint import plan_resume
+
+        plan_resume(config)
+
+
+def check_trainer(config: DictConfig) -> None:
+    """Refuse verl's legacy trainer while the run guards are on: none of the respo-verl trainer's additions apply to
+    it (verl 0.9.1 deprecates it too), so a run would silently go without them."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.select(config, "trainer.use_v1", default=True) and OmegaConf.select(
+        config, "run_guard.enable", default=False
+    ):
+        raise ValueError(
+            "trainer.use_v1=false: verl's legacy trainer has none of the respo-verl trainer's checkpoint fingerprints, "
+            "SIGTERM save-and-stop, appending log and run guards; drop the override (the V1 trainer is the default), "
+            "or add run_guard.enable=false to run the legacy trainer without them"
+        )
+
+
+def train(config: DictConfig) -> None:
+    """Check the machine, the model and the data, validate ``config`` as verl's main_ppo does, then train with verl's
+    V1 or legacy TaskRunner. Raises the checks' errors (DataCheckError, MachineCheckError, ModelCheckError) before
+    Ray starts."""
+    check_machine(config)  # before Ray: a cuda job on a machine without CUDA, with a Ray of its own
+    check_model(config)  # before Ray: a model path that is not there, routing replay on a dense model
+    check_data(config)  # before Ray: rows verl would otherwise train on silently
+    import ray
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    from respo_verl.run.preflight import require_policy_loss
+
+    auto_set_device(config)
+    require_policy_loss(config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla"))
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    if config.trainer.use_v1:
+        runner_cls = TaskRunnerV1
+    else:
+        from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
+    try:
+        run_ppo(config, task_runner_class=with_driver_hooks(runner_cls, config))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
