@@ -203,3 +203,75 @@ def test_every_docs_reference_in_code_names_a_page_and_heading_that_exist():
                 if heading and heading not in titles:
                     missing.append(f'{path.relative_to(ROOT)}: docs/{page}, "{heading}"')
     assert not missing
+
+
+# Names of the package in the project's text: a dotted module path (``respo_verl.run.trainer.STOPPED_KEY``), a file
+# path (``respo_verl/run/trainer.py``) or a command (``respo-verl plan``). After a move or a removal, text that still
+# names the old place sends a reader nowhere.
+TEXT_FOLDERS = (*CODE_FOLDERS, "tests", "docs", "patches")
+TEXT_FILES = ("README.md", "Makefile")
+# Names as the text quotes them, in backticks (or after ``:mod:``/``:func:``); a name inside a string of code is data.
+DOTTED = __import__("re").compile(r"`~?(respo_verl(?:\.[A-Za-z_]\w*)+)")
+FILE_PATH = __import__("re").compile(r"`((?:respo_verl|experiments|scripts|tests|configs)/[\w/.-]*\w\.(?:py|yaml|sh))\b")
+# ``respo-verl reaper: ...`` and ``respo-verl preflight failed ...`` start lines the package prints: not commands.
+COMMAND = __import__("re").compile(r"`respo-verl ([a-z][a-z-]*)\b(?!:| failed)")
+
+
+def _text_files():
+    for folder in TEXT_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".yaml", ".sh", ".sbatch", ".md") and "__pycache__" not in path.parts:
+                yield path
+    yield from (ROOT / name for name in TEXT_FILES)
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                names.update(ast.literal_eval(node.value))  # a package's lazy exports
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
+
+
+def _module_file(parts: list[str]) -> Path | None:
+    folder = ROOT / "configs" if parts[:2] == ["respo_verl", "configs"] else ROOT.joinpath(*parts[:1])
+    rest = parts[2:] if parts[:2] == ["respo_verl", "configs"] else parts[1:]
+    base = folder.joinpath(*rest)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py", base.with_suffix(".yaml"), base):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _dotted_name_exists(name: str) -> bool:
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        found = _module_file(parts[:end])
+        if found is None:
+            continue
+        if end == len(parts):
+            return True
+        return found.suffix == ".py" and (parts[end].startswith("__") or parts[end] in _top_level_names(found))
+    return False
+
+
+def test_the_text_names_only_modules_files_and_commands_that_exist():
+    from respo_verl.cli import MOVED, SUBCOMMANDS
+
+    wrong = []
+    for path in _text_files():
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        wrong += [f"{where}: {n}" for n in sorted(set(DOTTED.findall(text))) if not _dotted_name_exists(n)]
+        wrong += [f"{where}: {p}" for p in sorted(set(FILE_PATH.findall(text))) if not (ROOT / p).exists()]
+        commands = set(COMMAND.findall(text)) - set(SUBCOMMANDS) - {"verl"}
+        wrong += [f"{where}: respo-verl {c}" for c in sorted(commands) if c not in MOVED or path.suffix != ".md"]
+    assert not wrong, "\n".join(wrong)

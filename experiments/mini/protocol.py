@@ -1,4 +1,4 @@
-"""The comparison protocol of ``respo-verl mini``, fixed before any comparison was run.
+"""The miniature's comparison protocol, fixed before any comparison was run.
 
 - Learning rates: every method runs the grid :data:`LR_GRID` at N = 32 with :data:`GRID_SEEDS` (one RL seed per
   warm start). The grid spans the rates around the paper's regime, measured on the regime checks of all four methods

@@ -1,4 +1,4 @@
-"""The verifiable task of ``respo-verl mini``: write a long chain of steps without losing one's place.
+"""The miniature's verifiable task: write a long chain of steps without losing one's place.
 
 Prompt: ``<bos> d_1 … d_K =`` with K = :data:`N_DIGITS` digits 0–:data:`MAX_DIGIT` (a problem; its digits set how
 hard it is for the base model, ``model.py``). A response has a fixed grammar:

@@ -1,4 +1,4 @@
-"""Measure a `respo-verl mini` base model at temperature 1: how often it completes the chain, and how it breaks off.
+"""Measure a base model of the miniature at temperature 1: how often it completes the chain, and how it breaks off.
 
 For a rollout batch (128 prompts × 8 answers, as an RL run's first batch) it prints the success, the shares of
 answers that gave up, slipped or broke off otherwise, the mean lengths of correct and wrong answers, the success by

@@ -1,4 +1,4 @@
-"""One warm-start step of `respo-verl mini` on the right-padded batch and in length buckets, side by side.
+"""One warm-start step of the miniature on the right-padded batch and in length buckets, side by side.
 
 Builds warm-start batches of the default recipe (``model._sft_batch``: complete chains and chains broken off at
 every length) and times the loss and its backward both ways, alternating them ``--repeats`` times: the whole batch

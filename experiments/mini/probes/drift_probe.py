@@ -1,4 +1,4 @@
-"""Where the drift of log W sits in a `respo-verl mini` run: per token kind and per part of the chain.
+"""Where the drift of log W sits in a run of the miniature: per token kind and per part of the chain.
 
 Runs one configuration through ``experiments.mini.train.train`` from the default base model (shipped with the
 package) and, for the starved positives (A > 0, log W < −1) of the stale half of every rollout batch (mini-batches

@@ -2,9 +2,9 @@
 
 verl writes one line per training step (``trainer.logger=[...,file]``; path ``$VERL_FILE_LOGGER_PATH`` or
 ``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``), and a training step is N optimizer updates.
-``respo-verl mini`` writes the same format with one line per optimizer update, and says so in every line:
-``mini/optimizer_step`` equals the line's ``step`` (and ``mini/reuse`` is N). :func:`log_step` reads that marker,
-so a log is never read with the wrong step unit, manifest or not.
+The miniature (``experiments/mini``) writes the same format with one line per optimizer update, and says so in
+every line: ``mini/optimizer_step`` equals the line's ``step`` (and ``mini/reuse`` is N). :func:`log_step` reads
+that marker, so a log is never read with the wrong step unit, manifest or not.
 
 A run killed mid-write leaves a truncated last line, and NaN metrics arrive as ``null``: both are expected and
 reported, not fatal. Anything else malformed is skipped with its line number, never guessed at.

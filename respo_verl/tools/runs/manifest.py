@@ -1,4 +1,4 @@
-"""The run manifest: one JSON object per line describing a run of a sweep (or of ``respo-verl mini``).
+"""The run manifest: one JSON object per line describing a run of a sweep (or of the miniature).
 
 The report groups runs by (algorithm, N) and refuses to average runs whose ``config_hash`` differ within a group:
 the hash covers the composed configuration *minus* the swept keys (seed, run name, logging paths), so two seeds of
@@ -35,7 +35,7 @@ class RunRecord:
         versions: package versions at sweep time.
         source: ``verl`` (a trainer run) or ``mini`` (the CPU experiment).
         log_step: what the ``step`` of a log line counts: ``training`` (verl: one line per rollout batch, N
-            optimizer updates) or ``optimizer`` (``respo-verl mini``: one line per update).
+            optimizer updates) or ``optimizer`` (the miniature: one line per update).
     """
 
     name: str

@@ -1,4 +1,4 @@
-"""Command-line list syntax shared by ``respo-verl sweep`` and ``respo-verl mini``: comma-separated values.
+"""Command-line list syntax shared by ``respo-verl sweep`` and the miniature: comma-separated values.
 
 ``--reuse 8,16,32 --seeds 0,1,2``. Anything else (spaces between values, empty items, repeats, non-integers) is
 refused with one line that says what was expected.

@@ -2,7 +2,7 @@
 
 verl logs the mean sequence score of each rollout batch (``critic/score/mean``, a ±1 reward in the paper) once per
 training step, and one training step is N optimizer updates that all trained on that batch; a per-update log
-(``respo-verl mini``) has one line per update already. :func:`per_update` puts both on the optimizer-update axis,
+(the miniature) has one line per update already. :func:`per_update` puts both on the optimizer-update axis,
 so that every window below is counted in optimizer updates whatever the log's unit:
 
 - late score: mean over the last :data:`LATE_WINDOW` (128) updates, the paper's headline metric;

@@ -27,7 +27,7 @@ UPDATES = 64
 
 
 def per_update_log(path: Path, early: float, late: float, starved: float | None = None) -> Path:
-    """A per-update log as ``respo-verl mini`` writes it: reward ``early`` for the first half, ``late`` after."""
+    """A per-update log as the miniature writes it: reward ``early`` for the first half, ``late`` after."""
     lines = []
     for step in range(1, UPDATES + 1):
         data = {"critic/score/mean": early if step <= UPDATES // 2 else late, "mini/optimizer_step": step}
