@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from respo_verl.cpu import ROLLOUT_NAME
 from respo_verl.entry_points import CPU_MODULE
 
@@ -27,15 +29,9 @@ class CPUJobError(ValueError):
     """A job the CPU path cannot run, said in one line that names what to change."""
 
 
-def _select(cfg: Any, key: str, default: Any = None) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, key, default=default)
-
-
 def is_cpu_job(cfg: Any) -> bool:
     """True when the job uses the CPU rollout (what the ``device=cpu`` preset selects)."""
-    return _select(cfg, "actor_rollout_ref.rollout.name") == ROLLOUT_NAME
+    return OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") == ROLLOUT_NAME
 
 
 def check_cpu_job(cfg: Any) -> None:
@@ -50,7 +46,7 @@ def check_cpu_job(cfg: Any) -> None:
       attention switches (:data:`TE_ATTENTION_ENV`) left on;
     - an attention implementation (FSDP engine) or a head size that the CPU path cannot run.
     """
-    device = _select(cfg, "trainer.device")
+    device = OmegaConf.select(cfg, "trainer.device")
     if not is_cpu_job(cfg):
         if device == "cpu":
             raise CPUJobError(
@@ -60,31 +56,33 @@ def check_cpu_job(cfg: Any) -> None:
         return
     if device != "cpu":
         raise CPUJobError(f"{PRESET} runs on the CPU only, got trainer.device={device}")
-    modules = str(_select(cfg, f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}", "") or "")
+    modules = str(OmegaConf.select(cfg, f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}", default="") or "")
     if CPU_MODULE not in [m.strip() for m in modules.split(",")]:
         raise CPUJobError(
             f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}={modules!r} must name {CPU_MODULE} (and the "
             f"plugin) with {PRESET}: this value replaces the shell's in every Ray process"
         )
-    slots = _select(cfg, "ray_kwargs.ray_init.num_gpus")
-    workers = int(_select(cfg, "trainer.n_gpus_per_node", 1)) * int(_select(cfg, "trainer.nnodes", 1))
+    slots = OmegaConf.select(cfg, "ray_kwargs.ray_init.num_gpus")
+    workers = int(OmegaConf.select(cfg, "trainer.n_gpus_per_node", default=1)) * int(
+        OmegaConf.select(cfg, "trainer.nnodes", default=1)
+    )
     if slots is not None and workers > int(slots):
         raise CPUJobError(
             f"trainer.n_gpus_per_node x trainer.nnodes = {workers} worker processes, but "
             f"ray_kwargs.ray_init.num_gpus={slots}: on CPU each worker takes one of these (fake) GPU slots; set "
             f"ray_kwargs.ray_init.num_gpus={workers}"
         )
-    strategies = {_select(cfg, f"actor_rollout_ref.{r}.strategy") for r in ("actor", "ref")}
-    if _select(cfg, "model_engine") == "megatron" or "megatron" in strategies:
+    strategies = {OmegaConf.select(cfg, f"actor_rollout_ref.{r}.strategy") for r in ("actor", "ref")}
+    if OmegaConf.select(cfg, "model_engine") == "megatron" or "megatron" in strategies:
         _check_megatron_cpu_job(cfg, strategies)
     else:
-        attention = _select(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
+        attention = OmegaConf.select(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
         if attention not in CPU_ATTENTION:
             raise CPUJobError(
                 f"actor_rollout_ref.model.override_config.attn_implementation={attention} does not run on CPU; "
                 f"use one of {', '.join(CPU_ATTENTION)}"
             )
-    _check_model_shape(_select(cfg, "actor_rollout_ref.model.path"))
+    _check_model_shape(OmegaConf.select(cfg, "actor_rollout_ref.model.path"))
 
 
 # What megatron-core 0.16.1 and mbridge need to run on CPU (no Transformer Engine, no CUDA), per role
@@ -103,17 +101,18 @@ MEGATRON_CPU_SETTINGS = {
 
 
 def _check_megatron_cpu_job(cfg: Any, strategies: set) -> None:
-    if _select(cfg, "model_engine") != "megatron" or strategies != {"megatron"}:
+    if OmegaConf.select(cfg, "model_engine") != "megatron" or strategies != {"megatron"}:
         raise CPUJobError(
             f"verl's Megatron engine on CPU needs {MEGATRON_PRESET} together with model_engine=megatron (got "
-            f"model_engine={_select(cfg, 'model_engine')}, actor/ref strategy {'/'.join(sorted(map(str, strategies)))}"
+            f"model_engine={OmegaConf.select(cfg, 'model_engine')}, "
+            f"actor/ref strategy {'/'.join(sorted(map(str, strategies)))}"
             f"; {PRESET} is the FSDP engine's preset); see docs/cpu-megatron.md"
         )
     _check_attention_env(cfg)
     for role in ("actor", "ref"):
         for key, (value, reason) in MEGATRON_CPU_SETTINGS.items():
             full_key = f"actor_rollout_ref.{role}.megatron.{key}"
-            got = _select(cfg, full_key)
+            got = OmegaConf.select(cfg, full_key)
             if got != value and not (key == "dtype" and str(got) in ("fp32", "float32")):
                 raise CPUJobError(f"{full_key}={got} does not run on CPU ({reason}); {MEGATRON_PRESET} sets {value}")
 
@@ -124,7 +123,7 @@ TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 def _check_attention_env(cfg: Any) -> None:
-    runtime_env = _select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+    runtime_env = OmegaConf.select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
     for name in TE_ATTENTION_ENV:
         for where, value in (("the environment", os.environ.get(name)), ("Ray's runtime env", runtime_env.get(name))):
             if value not in (None, "0", 0):
@@ -154,7 +153,7 @@ def kit_variant(cfg: Any) -> Path | None:
     """The kit folder the job's model path points into (``<kit root>/<variant>``), or None for another model."""
     from respo_verl.cpu.kit.build import kit_root
 
-    model = Path(str(_select(cfg, "actor_rollout_ref.model.path", ""))).expanduser()
+    model = Path(str(OmegaConf.select(cfg, "actor_rollout_ref.model.path", default=""))).expanduser()
     root = kit_root().resolve()
     if model.name == "model" and model.parent.parent.resolve() == root:
         return model.parent
@@ -178,7 +177,7 @@ def forward_file_logger_env(cfg: Any) -> None:
     """Copy ``VERL_FILE_LOGGER_ROOT``/``_PATH`` of the driver into Ray's runtime env, as absolute paths."""
     from omegaconf import open_dict
 
-    env_vars = _select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    env_vars = OmegaConf.select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
     if env_vars is None:
         return
     with open_dict(env_vars):

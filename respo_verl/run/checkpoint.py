@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 MARKER = "respo_verl_run.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 STOP_FILE = "STOP"
@@ -64,12 +66,6 @@ class CheckpointError(ValueError):
     """A checkpoint the run must not resume from, in one line."""
 
 
-def _select(cfg: Any, key: str, default: Any = None) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, key, default=default)
-
-
 def _plain(cfg: Any) -> dict:
     from omegaconf import OmegaConf
 
@@ -87,7 +83,7 @@ def _plain(cfg: Any) -> dict:
 
 def summary(cfg: Any) -> dict[str, Any]:
     """The few keys a person reads to tell two runs apart (N among them)."""
-    out = {name: _select(cfg, key) for name, key in SUMMARY_KEYS.items()}
+    out = {name: OmegaConf.select(cfg, key) for name, key in SUMMARY_KEYS.items()}
     try:
         out["N"] = int(out["train_batch_size"]) // int(out["ppo_mini_batch_size"])
     except (TypeError, ValueError, ZeroDivisionError):
@@ -166,7 +162,7 @@ class ResumePlan:
 
 def checkpoint_folder(cfg: Any, cwd: Path | None = None) -> Path:
     """``trainer.default_local_dir`` as verl resolves it (relative to the working directory)."""
-    folder = Path(str(_select(cfg, "trainer.default_local_dir"))).expanduser()
+    folder = Path(str(OmegaConf.select(cfg, "trainer.default_local_dir"))).expanduser()
     return folder if folder.is_absolute() else (cwd or Path.cwd()) / folder
 
 
@@ -180,7 +176,7 @@ def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> R
         CheckpointError: the newest complete checkpoint belongs to another configuration.
     """
     folder = checkpoint_folder(cfg, cwd)
-    mode = str(_select(cfg, "trainer.resume_mode", "auto"))
+    mode = str(OmegaConf.select(cfg, "trainer.resume_mode", default="auto"))
     if mode != "auto" or not folder.is_dir():
         return ResumePlan(folder, None)
     steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
