@@ -17,9 +17,17 @@ from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_R
 from respo_verl.tools.runs.manifest import write_manifest
 from respo_verl.tools.runs.options import reuse_list, seed_list, split_overrides
 from respo_verl.tools.sweep.grid import ROUTING_MODES, SweepSpec, expand
-from respo_verl.tools.sweep.runner import ClusterError, Status, is_complete, run_locally, shell_line, submit_to_ray
+from respo_verl.tools.sweep.local import SweepBusy, run_locally, summary
+from respo_verl.tools.sweep.runner import (
+    ClusterError,
+    Status,
+    is_complete,
+    shell_line,
+    submit_to_ray,
+)
 
 USAGE_ERROR = 2
+INTERRUPTED = 130  # the shell's status of a command ended by Ctrl-C
 
 
 def _algorithm_list(text: str) -> tuple[str, ...]:
@@ -50,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-steps", type=int, default=PAPER_OPTIMIZER_STEPS, help="updates per run")
     p.add_argument("--out", type=Path, default=Path("runs"), help="directory for logs and manifest.jsonl")
     p.add_argument("--project", default="respo_verl_sweep", help="trainer.project_name")
+    p.add_argument("--checkpoints", type=Path, default=None, metavar="DIR",
+                   help="root of the runs' checkpoint folders, DIR/<run name> (default: OUT/checkpoints)")  # fmt: skip
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--print",
@@ -95,6 +105,7 @@ def main(argv: list[str]) -> int:
             base_overrides=tuple(overrides),
             out_dir=args.out,
             project=args.project,
+            checkpoints=args.checkpoints,
         )
         records = expand(spec, compose=not args.no_compose)
     except ValueError as exc:  # bad settings (SweepSpec), or a run that does not compose or pass check_job
@@ -109,11 +120,22 @@ def main(argv: list[str]) -> int:
             print(prefix + shell_line(record))
         print(f"# {len(records)} runs; manifest: {manifest}", file=sys.stderr)
         return 0
+    if args.ray:
+        try:
+            outcomes = submit_to_ray(records, args.out, args.ray)
+        except ClusterError as exc:
+            return _error(str(exc))
+        for outcome in outcomes:
+            print(f"{outcome.name}: {outcome.line}")
+        print(f"manifest: {manifest}")
+        return 1 if any(o.status is Status.FAILED for o in outcomes) else 0
     try:
-        outcomes = submit_to_ray(records, args.out, args.ray) if args.ray else run_locally(records, args.out)
-    except ClusterError as exc:
+        outcomes = run_locally(records, args.out)
+    except SweepBusy as exc:
         return _error(str(exc))
-    for outcome in outcomes:
-        print(f"{outcome.name}: {outcome.line}")
     print(f"manifest: {manifest}")
+    print(summary(outcomes, len(records)), flush=True)
+    interrupted = [o for o in outcomes if o.status is Status.INTERRUPTED]
+    if interrupted:
+        return INTERRUPTED
     return 1 if any(o.status is Status.FAILED for o in outcomes) else 0

@@ -33,8 +33,12 @@ ENGINE_SEED_KEYS = {
     "torchtitan": "actor_rollout_ref.actor.torchtitan.seed",
     "veomni": "actor_rollout_ref.actor.veomni.seed",
 }
+# The run's own checkpoint folder, <checkpoint root>/<run name>: verl's resume_mode=auto resumes from whatever is
+# in it, so no two runs may share one (verl's default, checkpoints/<project>/<experiment>, is relative to the
+# directory a run is started in).
+CHECKPOINT_KEY = "trainer.default_local_dir"
 # Dropped, with the run name, from the configuration hash.
-PER_RUN_KEYS = (*SEED_KEYS, *ENGINE_SEED_KEYS.values(), "trainer.experiment_name")
+PER_RUN_KEYS = (*SEED_KEYS, *ENGINE_SEED_KEYS.values(), "trainer.experiment_name", CHECKPOINT_KEY)
 # The keys N sets (see run_overrides).
 REUSE_KEYS = ("data.train_batch_size", "trainer.total_training_steps")
 ROUTING_MODES = ("off", "r2", "r3")
@@ -59,6 +63,8 @@ class SweepSpec:
         base_overrides: Hydra overrides shared by every run (model path, data, ...).
         out_dir: where logs and the manifest go.
         project: ``trainer.project_name``.
+        checkpoints: the root of the runs' checkpoint folders (``<checkpoints>/<run name>``); default
+            ``<out_dir>/checkpoints``.
     """
 
     algorithms: tuple[str, ...] = ALGORITHMS
@@ -73,8 +79,14 @@ class SweepSpec:
     base_overrides: tuple[str, ...] = ()
     out_dir: Path = Path("runs")
     project: str = "respo_verl_sweep"
+    checkpoints: Path | None = None
 
     def __post_init__(self) -> None:
+        if any(_key(o) == CHECKPOINT_KEY for o in self.base_overrides):
+            raise ValueError(
+                f"{CHECKPOINT_KEY} is set per run by the sweep (<checkpoint root>/<run name>, so that a run resumes "
+                "from its own checkpoints only): choose the root with --checkpoints DIR instead"
+            )
         unknown = sorted(set(self.algorithms) - set(ALGORITHMS))
         if unknown:
             raise ValueError(f"unknown algorithm(s) {unknown}; choose from {list(ALGORITHMS)}")
@@ -93,6 +105,12 @@ class SweepSpec:
 
 def run_name(spec: SweepSpec, algorithm: str, reuse: int, seed: int) -> str:
     return f"{spec.model}-{algorithm}-n{reuse}-s{seed}"
+
+
+def checkpoint_dir(spec: SweepSpec, name: str) -> Path:
+    """The run's own checkpoint folder (absolute: a run may be started from any directory)."""
+    root = spec.checkpoints if spec.checkpoints is not None else spec.out_dir / "checkpoints"
+    return root.expanduser().resolve() / name
 
 
 def run_overrides(spec: SweepSpec, algorithm: str, reuse: int, seed: int, engine: str | None = None) -> list[str]:
@@ -116,6 +134,7 @@ def run_overrides(spec: SweepSpec, algorithm: str, reuse: int, seed: int, engine
         f"trainer.total_training_steps={spec.optimizer_steps // reuse}",
         f"trainer.project_name={spec.project}",
         f"trainer.experiment_name={run_name(spec, algorithm, reuse, seed)}",
+        f"{CHECKPOINT_KEY}={checkpoint_dir(spec, run_name(spec, algorithm, reuse, seed))}",
         "trainer.logger=[console,file]",
         *(f"{key}={seed}" for key in seed_keys),
     ]

@@ -1,12 +1,10 @@
-"""Running the runs of a manifest: one after another here, printed for a scheduler, or as Ray jobs."""
+"""Running the runs of a manifest: what the executors share, and Ray jobs (the local executor: :mod:`.local`)."""
 
 from __future__ import annotations
 
 import enum
-import os
 import shlex
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ class Status(enum.Enum):
     RAN = "ran"
     FAILED = "failed"
     SUBMITTED = "submitted"
+    INTERRUPTED = "interrupted"  # the sweep was interrupted while the run ran; the same command resumes it
 
 
 @dataclass(frozen=True)
@@ -74,23 +73,6 @@ def local_command(record: RunRecord) -> list[str]:
 
 def _skipped(record: RunRecord) -> Outcome:
     return Outcome(record.name, Status.SKIPPED, "skipped: log complete")
-
-
-def run_locally(records: list[RunRecord], out_dir: Path, echo=print) -> list[Outcome]:
-    """Run incomplete runs one after another; one :class:`Outcome` per run. Stops at the first failure."""
-    outcomes = []
-    for record in records:
-        if is_complete(record, out_dir):
-            outcomes.append(_skipped(record))
-            continue
-        log_path(record, out_dir).parent.mkdir(parents=True, exist_ok=True)
-        echo(f"[respo-verl sweep] {record.name}: {shell_line(record)}")
-        done = subprocess.run(local_command(record), env={**os.environ, **record.env}, check=False)
-        if done.returncode != 0:
-            outcomes.append(Outcome(record.name, Status.FAILED, f"failed with exit code {done.returncode}"))
-            break
-        outcomes.append(Outcome(record.name, Status.RAN, "ran"))
-    return outcomes
 
 
 def _host_port(address: str) -> tuple[str, int] | None:

@@ -1,4 +1,5 @@
-"""`respo-verl sweep`: the paper grid expands, composes and prints; resumption skips complete runs."""
+"""`respo-verl sweep`: the paper grid expands, composes and prints; bad input is refused before anything starts.
+The sweeps that run verl's trainer are in test_sweep_cpu.py."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from omegaconf import OmegaConf
 
 from respo_verl.cli import main as cli_main
 from respo_verl.run.compose import compose_job
-from respo_verl.tools.runs.manifest import read_manifest, write_manifest
+from respo_verl.tools.runs.manifest import read_manifest
 from respo_verl.tools.sweep.grid import SweepSpec, expand
-from respo_verl.tools.sweep.runner import is_complete, run_locally, submit_to_ray
+from respo_verl.tools.sweep.runner import submit_to_ray
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -144,32 +145,6 @@ def test_other_errors_are_not_reported_as_composition_failures(tmp_path, monkeyp
         cli_main(["sweep", "--print", "--out", str(tmp_path)])
 
 
-def test_resumption_runs_only_incomplete_runs(tmp_path):
-    """Real subprocesses stand in for verl (which cannot train on CPU): each writes a complete file-logger log."""
-    spec = SweepSpec(algorithms=("respo",), reuse=(8,), seeds=(0, 1, 2), optimizer_steps=32, out_dir=tmp_path)
-    records = expand(spec, compose=False)
-    writer = (
-        "import json, os\n"
-        "with open(os.environ['VERL_FILE_LOGGER_PATH'], 'w') as f:\n"
-        "    for step in range(1, 5):\n"
-        "        f.write(json.dumps({'step': step, 'data': {'critic/score/mean': 0.0}}) + '\\n')\n"
-    )
-    for r in records:
-        r.command = [sys.executable, "-c", writer]
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "logs" / f"{records[0].name}.jsonl").write_text(
-        "".join(json.dumps({"step": s, "data": {"critic/score/mean": 1.0}}) + "\n" for s in range(1, 5))
-    )
-    (tmp_path / "logs" / f"{records[1].name}.jsonl").write_text(json.dumps({"step": 1, "data": {"x": 1}}) + "\n")
-    write_manifest(records, tmp_path)
-    outcomes = {o.name: o.line for o in run_locally(records, tmp_path, echo=lambda _: None)}
-    assert outcomes == {records[0].name: "skipped: log complete", records[1].name: "ran", records[2].name: "ran"}
-    assert all(is_complete(r, tmp_path) for r in records)
-    assert {o.name: o.line for o in run_locally(records, tmp_path, echo=lambda _: None)} == {
-        r.name: "skipped: log complete" for r in records
-    }
-
-
 def test_ray_submission_sends_each_incomplete_run_once(tmp_path):
     """A recording client stands in for Ray's JobSubmissionClient: a Ray dashboard does not run in this test suite."""
 
@@ -243,3 +218,45 @@ def test_the_sweep_seeds_the_keys_the_examples_seed(tmp_path, script):
     spec = SweepSpec(algorithms=("respo",), reuse=(8,), seeds=(7,), base_overrides=("model_engine=megatron",))
     (record,) = expand(spec, compose=False)
     assert "actor_rollout_ref.actor.megatron.seed=7" in record.command
+
+
+SMALL_GRID = ["sweep", "--print", "--algos", "respo", "--reuse", "8", "--seeds", "0"]
+
+
+def test_checkpoint_folders_are_per_run_and_set_by_the_sweep_only(tmp_path, capsys):
+    argv = [*SMALL_GRID[:-1], "0,1", "--no-compose", "--out", str(tmp_path / "out")]
+    assert cli_main([*argv, "--checkpoints", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    folders = [
+        a.split("=", 1)[1]
+        for r in read_manifest(tmp_path / "out" / "manifest.jsonl")
+        for a in r.command
+        if a.startswith("trainer.default_local_dir=")
+    ]
+    assert folders == [str(tmp_path / "ckpt" / "model-respo-n8-s0"), str(tmp_path / "ckpt" / "model-respo-n8-s1")]
+    assert cli_main([*argv, "--", "trainer.default_local_dir=/shared/ckpt"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "respo-verl sweep: trainer.default_local_dir is set per run by the sweep (<checkpoint root>/<run name>, so "
+        "that a run resumes from its own checkpoints only): choose the root with --checkpoints DIR instead"
+    )
+
+
+def test_a_second_sweep_in_a_folder_a_live_sweep_holds_is_refused(tmp_path, capsys):
+    """The lock is held by this test's process, a live process standing for a sweep; nothing is started."""
+    import fcntl
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = os.open(out / "sweep.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps({"sweep_pid": os.getpid()}).encode())
+        argv = ["sweep", "--no-compose", "--algos", "respo", "--reuse", "8", "--seeds", "0", "--out", str(out)]
+        assert cli_main(argv) == 2
+    finally:
+        os.close(fd)
+    assert capsys.readouterr().err.strip() == (
+        f"respo-verl sweep: another sweep (pid {os.getpid()}) is running in {out}; wait for it or stop it"
+    )
+    assert not (out / "logs").exists()

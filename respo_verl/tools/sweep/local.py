@@ -1,0 +1,310 @@
+"""The local executor of ``respo-verl sweep --out DIR``: the sweep's runs one after another on this machine.
+
+- A run whose log is complete is skipped; any other run is started with its manifest command and environment. Each
+  run's stdout and stderr go to ``<name>.out`` beside its log (:func:`output_path`), every attempt appended after a
+  header line, never to the terminal; the terminal shows the progress line (:mod:`respo_verl.tools.sweep.progress`).
+- A run that ends without a complete log (an exit status other than 0, a signal, a run guard that stopped it) is
+  reported with its name, how it ended, the last lines of its output and where the whole output is, and the sweep
+  goes on with the next run. :func:`summary` is the line the sweep ends with.
+- Interrupting the sweep (Ctrl-C, SIGTERM) sends the running run SIGTERM, which with the respo-verl trainer saves a
+  checkpoint at the end of the current step and ends the run (docs/cluster.md); the sweep waits for that and ends
+  without starting another run. A second interrupt kills the run at once. When the sweep itself is killed
+  (SIGKILL), the run gets SIGTERM from the kernel (Linux ``PR_SET_PDEATHSIG``) and saves the same way.
+- The folder is locked (:data:`LOCK_NAME`, ``flock``) for as long as the sweep or its running run lives: the run
+  holds the lock too, so a sweep started again while the run of a killed sweep still saves waits for it, and a
+  second sweep started while another one runs in the folder is refused. Started again with the same command, the
+  sweep skips the complete runs and the interrupted one resumes through verl's resume from its own checkpoint folder
+  (``trainer.default_local_dir``, one per run, set by the sweep); its appending log keeps every step once
+  (:mod:`respo_verl.tools.runs.logs`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from respo_verl.tools.runs.logs import LogError, read_log
+from respo_verl.tools.runs.manifest import RunRecord
+from respo_verl.tools.sweep.progress import SweepProgress
+from respo_verl.tools.sweep.runner import Outcome, Status, is_complete, local_command, log_path, shell_line
+
+LOCK_NAME = "sweep.lock"
+# Lines of a failed run's output shown in its report; characters kept of each (Ray prints very long lines).
+TAIL_LINES = 20
+TAIL_WIDTH = 400
+POLL_S = 1.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class SweepBusy(RuntimeError):
+    """Another sweep runs in the folder (one line; exit status 2)."""
+
+
+def output_path(record: RunRecord, out_dir: Path) -> Path:
+    """Where the run's stdout and stderr go: ``<name>.out`` beside its log."""
+    return log_path(record, out_dir).with_suffix(".out")
+
+
+def logged_steps(record: RunRecord, out_dir: Path) -> int:
+    """How many of the run's planned steps (1..last) its log holds."""
+    path = log_path(record, out_dir)
+    if not path.is_file():
+        return 0
+    try:
+        steps = read_log(path).steps
+    except LogError:
+        return 0
+    return sum(1 for step in steps if 1 <= step <= record.last_log_step)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_holder(fd: int, holder: dict) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+
+
+@contextmanager
+def folder_lock(out_dir: Path, echo) -> Iterator[int]:
+    """Hold ``out_dir/sweep.lock`` (see the module docstring); yields its file descriptor, which a run inherits.
+
+    Raises:
+        SweepBusy: a live sweep holds it.
+    """
+    path = out_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except json.JSONDecodeError:
+                holder = {}
+            sweep_pid = holder.get("sweep_pid")
+            if isinstance(sweep_pid, int) and _alive(sweep_pid):
+                raise SweepBusy(
+                    f"another sweep (pid {sweep_pid}) is running in {out_dir}; wait for it or stop it"
+                ) from None
+            echo(
+                f"waiting for run {holder.get('run', '?')} (pid {holder.get('run_pid', '?')}) of a sweep that was "
+                f"stopped to end: it saves at the end of its current step ({path} is held until then)"
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        _write_holder(fd, {"sweep_pid": os.getpid()})
+        yield fd
+    finally:
+        os.close(fd)
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM of the sweep: the first asks the running run to save and stop (SIGTERM), a second kills it."""
+
+    def __init__(self, echo) -> None:
+        self.echo = echo
+        self.messages: list[str] = []  # written by the handler, printed by the sweep's loop (print is not reentrant)
+        self.signum: int | None = None
+        self.child: subprocess.Popen | None = None
+        self.run = ""
+        self._saved: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed there; the caller's own handling applies
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._saved[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame) -> None:
+        child = self.child
+        if self.signum is None:
+            self.signum = signum
+            if child is not None and child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+                self.messages.append(
+                    f"{signal.Signals(signum).name}: stopping {self.run}, which saves at the end of its current step "
+                    "(interrupt again to kill it now); run the same command to resume"
+                )
+        elif child is not None and child.poll() is None:
+            child.kill()
+            self.messages.append(f"{signal.Signals(signum).name} again: killed {self.run}")
+
+    def flush(self) -> None:
+        while self.messages:
+            self.echo(self.messages.pop(0))
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "prctl") else None
+
+
+def _child_setup(libc, parent: int):
+    """The run's pre-exec: SIGTERM when the sweep dies (Linux), so that a killed sweep leaves no run behind."""
+
+    def setup() -> None:
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the sweep died before the line above
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+def _ended(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def _tail(path: Path, offset: int) -> list[str]:
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        text = fh.read().decode(errors="replace")
+    lines = [line[:TAIL_WIDTH] for line in text.splitlines() if line.strip()]
+    return lines[-TAIL_LINES:]
+
+
+def failure_report(record: RunRecord, how: str, logged: int, output: Path, offset: int) -> str:
+    """The report of a failed run: its name, how it ended, the last lines of its output, where all of it is."""
+    tail = _tail(output, offset)
+    lines = [f"run {record.name} failed: {how}, {logged} of {record.last_log_step} steps logged"]
+    lines += ["  the last lines of its output:", *(f"  | {line}" for line in tail)] if tail else ["  no output"]
+    lines.append(f"  full output: {output}")
+    return "\n".join(lines)
+
+
+def _run_one(
+    index: int,
+    record: RunRecord,
+    out_dir: Path,
+    lock_fd: int,
+    interrupts: _Interrupts,
+    progress: SweepProgress,
+    others_done: int,
+) -> Outcome:
+    output = output_path(record, out_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    steps = record.last_log_step
+    libc = _libc()
+    with output.open("ab") as fh:
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        fh.write(f"=== respo-verl sweep, {stamp}: {shell_line(record)}\n".encode())
+        fh.flush()
+        offset_run = fh.tell()
+        progress.write(f"run {index} of {progress.runs}: {record.name} (output: {output})")
+        process = subprocess.Popen(
+            local_command(record),
+            env={**os.environ, **record.env},
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C at the terminal reaches the sweep, which stops the run in order
+            pass_fds=(lock_fd,),
+            preexec_fn=_child_setup(libc, os.getpid()),
+        )
+    interrupts.child, interrupts.run = process, record.name
+    _write_holder(lock_fd, {"sweep_pid": os.getpid(), "run": record.name, "run_pid": process.pid})
+    while process.poll() is None:
+        interrupts.flush()
+        logged = logged_steps(record, out_dir)
+        progress.update(index, record.name, logged, steps, others_done + logged)
+        time.sleep(POLL_S)
+    interrupts.child = None
+    logged = logged_steps(record, out_dir)
+    progress.update(index, record.name, logged, steps, others_done + logged)
+    interrupts.flush()
+    if is_complete(record, out_dir):
+        return Outcome(record.name, Status.RAN, f"ran: {steps} steps logged")
+    how = _ended(process.returncode)
+    if interrupts.signum is not None:
+        return Outcome(
+            record.name,
+            Status.INTERRUPTED,
+            f"interrupted ({how}) with {logged} of {steps} steps logged; the same command resumes it",
+        )
+    progress.write(failure_report(record, how, logged, output, offset_run))
+    return Outcome(record.name, Status.FAILED, f"failed: {how}, {logged} of {steps} steps logged")
+
+
+def run_locally(records: list[RunRecord], out_dir: Path, stream=None, interactive: bool | None = None) -> list[Outcome]:
+    """Run the incomplete runs of ``records`` one after another (see the module docstring); one :class:`Outcome` per
+    run started or skipped. The outcomes end at an interrupted run.
+
+    Raises:
+        SweepBusy: another sweep runs in ``out_dir``.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logged = {r.name: logged_steps(r, out_dir) for r in records}
+    progress = SweepProgress(
+        total_steps=sum(r.last_log_step for r in records),
+        done_steps=sum(logged.values()),
+        runs=len(records),
+        stream=stream,
+        interactive=interactive,
+    )
+    interrupts = _Interrupts(progress.write)
+    outcomes: list[Outcome] = []
+    try:
+        with folder_lock(out_dir, progress.write) as lock_fd:
+            interrupts.install()
+            for index, record in enumerate(records, start=1):
+                if interrupts.signum is not None:
+                    break
+                if is_complete(record, out_dir):
+                    outcomes.append(Outcome(record.name, Status.SKIPPED, "skipped: log complete"))
+                    progress.write(f"run {index} of {len(records)}: {record.name} skipped, its log is complete")
+                    continue
+                others = sum(logged_steps(r, out_dir) for r in records if r.name != record.name)
+                outcome = _run_one(index, record, out_dir, lock_fd, interrupts, progress, others)
+                outcomes.append(outcome)
+                if outcome.status is not Status.FAILED:
+                    progress.write(f"run {index} of {len(records)}: {record.name} {outcome.line}")
+    finally:
+        interrupts.restore()
+        progress.close()
+    return outcomes
+
+
+def summary(outcomes: list[Outcome], planned: int) -> str:
+    """The sweep's last line: ``7 done, 1 failed: <name>`` (and what was interrupted or not started)."""
+    done = sum(o.status in (Status.RAN, Status.SKIPPED) for o in outcomes)
+    failed = [o.name for o in outcomes if o.status is Status.FAILED]
+    text = f"{done} done"
+    if failed:
+        text += f", {len(failed)} failed: {', '.join(failed)}"
+    interrupted = [o.name for o in outcomes if o.status is Status.INTERRUPTED]
+    if interrupted:
+        text += f", interrupted: {', '.join(interrupted)}"
+    if planned > len(outcomes):
+        text += f", {planned - len(outcomes)} not started"
+    return text
