@@ -48,13 +48,34 @@ def late_score_table(groups: list[GroupSummary]) -> str:
                 row.append("—")
                 continue
             text = _pct(g.late_mean) + ("" if g.late_std is None else f" ± {_pct(g.late_std)}")
-            text += f" (n={len(g.runs)})"
+            partial = _partial(g.runs)
+            text += f" (n={len(g.runs)}" + (f", {len(partial)} partial" if partial else "") + ")"
             if g.delta_pp is not None:
                 ci = "" if g.delta_ci is None else f" [{g.delta_ci[0]:+.2f}, {g.delta_ci[1]:+.2f}]"
                 text += f"<br>{g.delta_pp:+.2f} pp{ci}"
             row.append(text)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _partial(runs: list[RunSummary]) -> list[RunSummary]:
+    """The runs whose log ends before the manifest's planned last step (a run still running, stopped or failed)."""
+    return [r for r in runs if r.complete is False]
+
+
+def _seeds_cell(runs: list[RunSummary]) -> str:
+    partial = [str(r.seed) for r in _partial(runs)]
+    return ",".join(str(r.seed) for r in runs) + (f" (partial: {','.join(partial)})" if partial else "")
+
+
+def _partial_legend(runs: list[RunSummary]) -> str:
+    partial = _partial(runs)
+    if not partial:
+        return ""
+    return (
+        f" Partial ({', '.join(r.name for r in partial)}): the log ends before the run's planned last step (the run "
+        "is still running, was stopped or failed); its numbers are over the steps it logged (Notes on the runs used)."
+    )
 
 
 def _short_run_note(runs: list[RunSummary]) -> str:
@@ -92,7 +113,7 @@ def detail_table(groups: list[GroupSummary]) -> str:
         row = [
             _display(g.algorithm),
             str(g.reuse),
-            ",".join(str(r.seed) for r in g.runs),
+            _seeds_cell(g.runs),
             _pct(g.late_mean),
             *(_starved_cell(g, m) for m in STARVED_MASS_MEASURES),
             _pct(g.early_mean),
@@ -205,7 +226,7 @@ def markdown_report(
         "## Late training score (%)",
         "",
         f"Mean of {score} over the last {LATE_WINDOW} optimizer updates of each run; mean ± std over seeds "
-        f"(n = seeds); {_baseline_legend(groups, runs)}",
+        f"(n = seeds); {_baseline_legend(groups, runs)}{_partial_legend([r for g in groups for r in g.runs])}",
         "",
         late_score_table(groups) if groups else "(no group to report)",
         "",

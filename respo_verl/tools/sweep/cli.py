@@ -21,7 +21,10 @@ from respo_verl.tools.sweep.local import SweepBusy, run_locally, summary
 from respo_verl.tools.sweep.runner import (
     ClusterError,
     Status,
+    SweepConflict,
+    check_same_sweep,
     is_complete,
+    replace_sweep,
     shell_line,
     submit_to_ray,
 )
@@ -69,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         help="print one shell line per run (for a scheduler) and write the manifest; run nothing",
     )
     mode.add_argument("--ray", metavar="ADDRESS", help="submit the runs as Ray jobs to this dashboard address")
+    p.add_argument("--force", action="store_true", help="reuse an --out that holds another grid or other shared "
+                   "settings: the files of the runs that differ move to OUT/replaced-<time>/")  # fmt: skip
     p.add_argument("--no-compose", action="store_true", help="skip composing and checking each run (no config hash; "
                    "the engine's seed key is then set only from a model_engine= override)")  # fmt: skip
     return p
@@ -110,6 +115,17 @@ def main(argv: list[str]) -> int:
         records = expand(spec, compose=not args.no_compose)
     except ValueError as exc:  # bad settings (SweepSpec), or a run that does not compose or pass check_job
         return _error(str(exc))
+    try:
+        if args.force:
+            moved = replace_sweep(records, args.out)
+            if moved is not None:
+                print(f"--force: the files of the runs that differ moved to {moved}", file=sys.stderr)
+        else:
+            check_same_sweep(records, args.out)
+    except SweepConflict as exc:
+        return _error(str(exc))
+    except OSError as exc:
+        return _error(f"--out {args.out}: cannot move the files of the runs that differ ({exc})")
     try:
         manifest = write_manifest(records, args.out)
     except OSError as exc:

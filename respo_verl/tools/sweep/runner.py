@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import enum
 import shlex
+import shutil
 import socket
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from respo_verl.tools.runs.logs import LogError, read_log
-from respo_verl.tools.runs.manifest import RunRecord
+from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, read_manifest
 
 # How long the reachability probe of a Ray address waits for a TCP connection: a refused port answers at once, a
 # dead host is not worth Ray's own 40 s of GCS retries.
@@ -136,3 +138,75 @@ def submit_to_ray(records: list[RunRecord], out_dir: Path, address: str, client=
         )
         outcomes.append(Outcome(record.name, Status.SUBMITTED, f"submitted as {job_id}"))
     return outcomes
+
+
+class SweepConflict(ValueError):
+    """``--out`` holds the manifest of another sweep (one line naming what differs; exit status 2)."""
+
+
+def _differs(old: RunRecord, new: RunRecord) -> bool:
+    return (old.config_hash, old.command, old.env) != (new.config_hash, new.command, new.env)
+
+
+def _words(command: list[str], other: list[str]) -> str:
+    only = [word for word in command if word not in other]
+    return " ".join(only) if only else "none"
+
+
+def check_same_sweep(records: list[RunRecord], out_dir: Path) -> None:
+    """Refuse ``records`` when ``out_dir`` holds the manifest of another grid or of other shared settings.
+
+    Runs of the same name must have the same configuration hash, command line and environment; a run only in one of
+    the two is another grid. Raises :class:`SweepConflict` with one line naming the first difference.
+    """
+    path = out_dir / MANIFEST_NAME
+    if not path.is_file():
+        return
+    try:
+        old = {r.name: r for r in read_manifest(path)}
+    except ValueError as exc:
+        raise SweepConflict(f"--out {out_dir}: its manifest cannot be read ({exc}); --force replaces it") from None
+    new = {r.name: r for r in records}
+    fix = "use --force to replace it (the runs that differ start afresh), or another --out"
+    if set(old) != set(new):
+        only_old, only_new = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+        raise SweepConflict(
+            f"--out {out_dir} holds another grid (runs only there: {', '.join(only_old) or 'none'}; only in this "
+            f"sweep: {', '.join(only_new) or 'none'}); {fix}"
+        )
+    changed = [name for name in new if _differs(old[name], new[name])]
+    if changed:
+        first, later = old[changed[0]], new[changed[0]]
+        more = f" (and {len(changed) - 1} more runs)" if len(changed) > 1 else ""
+        raise SweepConflict(
+            f"--out {out_dir} holds run {first.name}{more} with configuration hash {first.config_hash[:12] or 'none'}"
+            f", this sweep's is {later.config_hash[:12] or 'none'} (there: {_words(first.command, later.command)}; "
+            f"here: {_words(later.command, first.command)}); {fix}"
+        )
+
+
+def replace_sweep(records: list[RunRecord], out_dir: Path) -> Path | None:
+    """Under ``--force``: move the files of every run of ``out_dir``'s manifest that is not one of ``records``
+    unchanged (its log, its output and its checkpoint folder) to ``out_dir/replaced-<UTC time>/``, so that no run of
+    the new sweep is skipped or resumed on another configuration's files. Returns that folder, or None when nothing
+    was moved."""
+    path = out_dir / MANIFEST_NAME
+    try:
+        old = read_manifest(path) if path.is_file() else []
+    except ValueError:
+        old = []
+    new = {r.name: r for r in records}
+    stale = [r for r in old if r.name not in new or _differs(r, new[r.name])]
+    stale += [r for r in records if r.name not in {o.name for o in old}]
+    moved_to = out_dir / f"replaced-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    moved = False
+    for record in stale:
+        log = log_path(record, out_dir)
+        checkpoints = [a.split("=", 1)[1] for a in record.command if a.startswith("trainer.default_local_dir=")]
+        for source in [log, log.with_suffix(".out"), *map(Path, checkpoints)]:
+            if source.exists():
+                target = moved_to / record.name / source.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(source), str(target))
+                moved = True
+    return moved_to if moved else None

@@ -100,7 +100,10 @@ def test_unequal_lengths_are_summarised_and_flagged(logs_dir):
     assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
     text = (out / "report.md").read_text()
     assert "m-respo-n8-s1: incomplete: 64 of 128 training steps logged" in text
-    assert "| ReSPO | 65.00 ± 7.07 (n=2)" in text
+    # the tables say which run is partial: the cell counts it, the seeds column names it, the legend says what it is
+    assert "| ReSPO | 65.00 ± 7.07 (n=2, 1 partial)" in text and "| VESPO | 50.00 ± 0.00 (n=2) |" in text
+    assert "| ReSPO | 8 | 0,1 (partial: 1) |" in text and "| VESPO | 8 | 0,1 |" in text
+    assert "Partial (m-respo-n8-s1): the log ends before the run's planned last step" in text
 
 
 def test_mixed_configurations_are_not_averaged(logs_dir):
@@ -190,7 +193,7 @@ def test_a_run_that_is_used_is_not_listed_under_what_was_not_used(logs_dir):
     out = logs_dir / "report"
     assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
     text = (out / "report.md").read_text()
-    assert "| ReSPO | 65.00 ± 7.07 (n=2)" in text  # m-respo-n8-s1 is used
+    assert "| ReSPO | 65.00 ± 7.07 (n=2, 1 partial)" in text  # m-respo-n8-s1 is used
     not_used = _section(text, "What was not used")
     assert "m-respo-n8-s1" not in not_used and "stray.jsonl: no manifest entry" in not_used
     assert "- m-respo-n8-s1: incomplete: 64 of 128 training steps logged" in _section(text, "Notes on the runs used")

@@ -1,5 +1,5 @@
-"""`respo-verl sweep`: the paper grid expands, composes and prints; bad input is refused before anything starts.
-The sweeps that run verl's trainer are in test_sweep_cpu.py."""
+"""`respo-verl sweep`: the paper grid expands, composes and prints; bad input and a reused --out are refused before
+anything starts. The sweeps that run verl's trainer are in test_sweep_cpu.py."""
 
 from __future__ import annotations
 
@@ -239,6 +239,64 @@ def test_checkpoint_folders_are_per_run_and_set_by_the_sweep_only(tmp_path, caps
         "respo-verl sweep: trainer.default_local_dir is set per run by the sweep (<checkpoint root>/<run name>, so "
         "that a run resumes from its own checkpoints only): choose the root with --checkpoints DIR instead"
     )
+
+
+def test_a_reused_out_with_other_settings_or_another_grid_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [*SMALL_GRID, "--out", str(out), "--", "actor_rollout_ref.model.path=/m"]
+    assert cli_main(argv) == 0
+    (before,) = read_manifest(out / "manifest.jsonl")
+    capsys.readouterr()
+    assert cli_main(argv) == 0  # the same sweep again: accepted
+    capsys.readouterr()
+
+    assert cli_main([*argv, "actor_rollout_ref.actor.optim.lr=3e-6"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    changed = expand(
+        SweepSpec(algorithms=("respo",), reuse=(8,), seeds=(0,), out_dir=out,
+                  base_overrides=("actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.optim.lr=3e-6"))
+    )[0]  # fmt: skip
+    assert changed.config_hash != before.config_hash
+    assert line == (
+        f"respo-verl sweep: --out {out} holds run model-respo-n8-s0 with configuration hash "
+        f"{before.config_hash[:12]}, this sweep's is {changed.config_hash[:12]} (there: none; here: "
+        "actor_rollout_ref.actor.optim.lr=3e-6); use --force to replace it (the runs that differ start afresh), "
+        "or another --out"
+    )
+    assert read_manifest(out / "manifest.jsonl") == [before]  # untouched
+
+    grid_argv = [*SMALL_GRID[:-1], "0,1", "--out", str(out), "--", "actor_rollout_ref.model.path=/m"]
+    assert cli_main(grid_argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"respo-verl sweep: --out {out} holds another grid (runs only there: none; only in this sweep: "
+        "model-respo-n8-s1); use --force to replace it (the runs that differ start afresh), or another --out"
+    )
+
+
+def test_force_moves_the_files_of_the_runs_that_differ_aside(tmp_path, capsys):
+    """The log, output and checkpoint folder here are plain files standing for a run's: only their place matters."""
+    out = tmp_path / "out"
+    base = [*SMALL_GRID[:-1], "0,1", "--no-compose", "--out", str(out), "--"]
+    assert cli_main([*base, "trainer.nnodes=1"]) == 0
+    for seed in (0, 1):
+        name = f"model-respo-n8-s{seed}"
+        (out / "logs").mkdir(exist_ok=True)
+        (out / "logs" / f"{name}.jsonl").write_text(json.dumps({"step": 1, "data": {"x": 1.0}}) + "\n")
+        (out / "logs" / f"{name}.out").write_text("output\n")
+        (out / "checkpoints" / name / "global_step_1").mkdir(parents=True)
+    capsys.readouterr()
+    changed = [*SMALL_GRID[:-1], "0", "--no-compose", "--out", str(out), "--force", "--", "trainer.nnodes=2"]
+    assert cli_main(changed) == 0
+    (moved,) = out.glob("replaced-*")
+    assert f"--force: the files of the runs that differ moved to {moved}" in capsys.readouterr().err
+    for seed in (0, 1):  # seed 1 is no longer in the grid, seed 0 has another configuration
+        name = f"model-respo-n8-s{seed}"
+        assert sorted(p.name for p in (moved / name).iterdir()) == [name, f"{name}.jsonl", f"{name}.out"]
+        assert (moved / name / name / "global_step_1").is_dir()
+        assert not (out / "logs" / f"{name}.jsonl").exists() and not (out / "checkpoints" / name).exists()
+    assert [r.name for r in read_manifest(out / "manifest.jsonl")] == ["model-respo-n8-s0"]
 
 
 def test_a_second_sweep_in_a_folder_a_live_sweep_holds_is_refused(tmp_path, capsys):
