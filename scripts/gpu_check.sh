@@ -65,8 +65,8 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
     SITE="$(mktemp -d /tmp/gpu-check-site.XXXXXX)"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
 fi
-# The repository (respo_verl), tests/ (support.megatron_moe, the tiny MoE model), carried wheels first.
-export PYTHONPATH="${SITE:+$SITE:}$ROOT:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
+# The repository (respo_verl, with its tiny MoE model respo_verl.cpu.kit.megatron_moe), carried wheels first.
+export PYTHONPATH="${SITE:+$SITE:}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled
 
 cd "$ROOT"
@@ -257,9 +257,9 @@ def bench_losses():
 @contextlib.contextmanager
 def megatron_world():
     """megatron's model-parallel state (TP = PP = 1) on a world of one: NCCL on the GPU; on the CPU, the package's
-    CPU patch of megatron-core with gloo (tests/support/megatron_moe.megatron_cpu)."""
+    CPU patch of megatron-core with gloo (respo_verl/cpu/kit/megatron_moe.py, megatron_cpu)."""
     if not CUDA:
-        from support.megatron_moe import megatron_cpu
+        from respo_verl.cpu.kit.megatron_moe import megatron_cpu
 
         with megatron_cpu():
             yield
@@ -287,7 +287,7 @@ def megatron_moe():
         import megatron.core
     except Exception as exc:
         return "SKIP", f"megatron-core is not importable ({type(exc).__name__}: {exc}); carry its wheel in .whl/"
-    from support.megatron_moe import BATCH as B, NUM_EXPERTS, NUM_LAYERS, SEQ, VOCAB, tiny_gpt_moe
+    from respo_verl.cpu.kit.megatron_moe import BATCH as B, NUM_EXPERTS, NUM_LAYERS, SEQ, VOCAB, tiny_gpt_moe
 
     from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
 

@@ -210,9 +210,11 @@ def test_every_docs_reference_in_code_names_a_page_and_heading_that_exist():
 # names the old place sends a reader nowhere.
 TEXT_FOLDERS = (*CODE_FOLDERS, "tests", "docs", "patches")
 TEXT_FILES = ("README.md", "Makefile")
-# Names as the text quotes them, in backticks (or after ``:mod:``/``:func:``); a name inside a string of code is data.
+# Names as the text quotes them, in backticks (also ``:mod:``/``:func:``); a name in a string of code is data.
 DOTTED = __import__("re").compile(r"`~?(respo_verl(?:\.[A-Za-z_]\w*)+)")
-FILE_PATH = __import__("re").compile(r"`((?:respo_verl|experiments|scripts|tests|configs)/[\w/.-]*\w\.(?:py|yaml|sh))\b")
+FILE_PATH = __import__("re").compile(
+    r"`((?:respo_verl|experiments|scripts|tests|configs)/[\w/.-]*\w\.(?:py|yaml|sh))\b"
+)
 # ``respo-verl reaper: ...`` and ``respo-verl preflight failed ...`` start lines the package prints: not commands.
 COMMAND = __import__("re").compile(r"`respo-verl ([a-z][a-z-]*)\b(?!:| failed)")
 
@@ -275,3 +277,18 @@ def test_the_text_names_only_modules_files_and_commands_that_exist():
         commands = set(COMMAND.findall(text)) - set(SUBCOMMANDS) - {"verl"}
         wrong += [f"{where}: respo-verl {c}" for c in sorted(commands) if c not in MOVED or path.suffix != ".md"]
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_script_or_example_reaches_into_the_tests():
+    """Scripts and examples stand on the package: the tiny MoE model they use is respo_verl.cpu.kit.megatron_moe."""
+    import re
+
+    into_tests = re.compile(r"^\s*(?:from|import)\s+(?:support|tests|conftest)\b|/tests\b|\"tests\"", re.M)
+    found = [
+        f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
+        for folder in ("scripts", "examples")
+        for path in sorted((ROOT / folder).rglob("*"))
+        if path.suffix in (".py", ".sh", ".sbatch")
+        for match in into_tests.finditer(path.read_text())
+    ]
+    assert not found, found

@@ -22,7 +22,7 @@ replay state happen outside it. Timing is interleaved in one process: every repe
 order rotated per repeat, so slow phases of a shared machine hit all conditions alike; the per-repeat (paired)
 ratios ``replay_diag / replay`` (target ≤ 1.05) and ``replay / no_replay`` are the robust numbers.
 
-Megatron runs on CPU through :func:`support.megatron_moe.megatron_cpu`: the version-keyed patch
+Megatron runs on CPU through :func:`respo_verl.cpu.kit.megatron_moe.megatron_cpu`: the version-keyed patch
 ``respo_verl/patches/megatron_core_0_16_1.py`` neutralises megatron-core's hard-coded CUDA calls (current
 device, streams, events, the CUDA RNG tracker), and a gloo world of size 1 runs with TP = PP = 1; every megatron
 code path runs as written.
@@ -46,14 +46,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-# The tiny megatron-core model lives with the tests (tests/support), imported as the package support.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from common import cpu_name, quartiles, write_json
 
 CONDITIONS = ("no_replay", "replay", "replay_diag")
@@ -188,7 +184,7 @@ class MegatronBench:
     @contextlib.contextmanager
     def session(self) -> Iterator[MegatronBench]:
         """Apply megatron-core's CPU patch, build both models, record the routes; restore everything on exit."""
-        from support import megatron_moe as cpu
+        from respo_verl.cpu.kit import megatron_moe as cpu
 
         with cpu.megatron_cpu():
             self._build(cpu)

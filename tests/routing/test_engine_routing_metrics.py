@@ -19,10 +19,19 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_moe import BATCH, NUM_EXPERTS, NUM_LAYERS, SEQ, VOCAB, forward, megatron_cpu, tiny_gpt_moe
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
+from respo_verl.cpu.kit.megatron_moe import (
+    BATCH,
+    NUM_EXPERTS,
+    NUM_LAYERS,
+    SEQ,
+    VOCAB,
+    forward,
+    megatron_cpu,
+    tiny_gpt_moe,
+)
 from respo_verl.routing import engine as route_drift
 from respo_verl.routing.megatron import find_replay_routers
 

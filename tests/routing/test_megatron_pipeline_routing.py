@@ -1,8 +1,8 @@
 """Pipeline-parallel bookkeeping of the route-drift diagnostics: two gloo ranks, PP = 2 (and VPP = 2), TP = 1, CPU.
 
 Two processes (``torch.multiprocessing`` spawn, ``env://`` rendezvous on 127.0.0.1 and a free port) form a gloo world
-of size 2; each runs megatron-core 0.16.1's ``initialize_model_parallel(1, 2)`` under the CPU patch of
-megatron-core (:func:`support.megatron_moe.megatron_cpu`) and builds its pipeline stage of the tiny GPTModel MoE
+of size 2; each runs megatron-core 0.16.1's ``initialize_model_parallel(1, 2)`` under the CPU patch of megatron-core
+(:func:`respo_verl.cpu.kit.megatron_moe.megatron_cpu`) and builds its pipeline stage of the tiny GPTModel MoE
 of ``test_megatron_routing.py``, with 4 layers: stage 0 holds global layers 0-1 (embedding), stage 1 layers 2-3
 (output layer). Every forward goes through megatron's real pipeline schedule (``get_forward_backward_func()``, 1F1B
 without interleaving): activations and gradients travel between the ranks by ``torch.distributed`` isend/irecv over
@@ -52,7 +52,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_moe import BATCH, NUM_EXPERTS, SEQ, TOP_K, VOCAB, forward, megatron_cpu, tiny_gpt_moe
+from respo_verl.cpu.kit.megatron_moe import BATCH, NUM_EXPERTS, SEQ, TOP_K, VOCAB, forward, megatron_cpu, tiny_gpt_moe
 
 PP = 2
 LAYERS = 4  # PP stages of LAYERS // PP layers each

@@ -12,7 +12,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_moe import (
+from support.router_replay import verl_router_replay_patch
+
+from respo_verl.cpu.kit.megatron_moe import (
     BATCH,
     NUM_EXPERTS,
     NUM_LAYERS,
@@ -22,9 +24,7 @@ from support.megatron_moe import (
     forward,
     megatron_cpu,
     tiny_gpt_moe,
-    verl_router_replay_patch,
 )
-
 from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
 
 TOKENS = BATCH * SEQ

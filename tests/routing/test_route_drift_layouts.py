@@ -22,8 +22,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_moe import NUM_EXPERTS, TOP_K, VOCAB, megatron_cpu, tiny_gpt_moe, verl_router_replay_patch
+from support.router_replay import verl_router_replay_patch
 
+from respo_verl.cpu.kit.megatron_moe import NUM_EXPERTS, TOP_K, VOCAB, megatron_cpu, tiny_gpt_moe
 from respo_verl.routing.diagnostics import RouteDriftStats
 from respo_verl.routing.megatron import RouteDriftMonitor, find_replay_routers
 

@@ -11,8 +11,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_moe import megatron_cpu
-
+from respo_verl.cpu.kit.megatron_moe import megatron_cpu
 from respo_verl.routing.diagnostics import drift_metrics
 from respo_verl.routing.megatron import reduce_route_drift
 

@@ -1,8 +1,9 @@
-"""Test support: megatron-core on CPU, a gloo world with megatron's model-parallel state, and a tiny GPTModel with MoE.
+"""megatron-core on CPU: a gloo world with megatron's model-parallel state, and a tiny GPTModel with MoE.
 
-Used by the routing tests and ``scripts/bench/routing.py`` (not part of the package). The device stand-in itself is
-the version-keyed patch :data:`respo_verl.patches.megatron_core_0_16_1.CPU`; :func:`megatron_cpu` applies it for the
-duration of a block together with the process group and megatron's parallel state, and undoes all three afterwards.
+Used by the routing tests, ``scripts/bench/routing.py`` and ``scripts/gpu_check.sh`` (its CPU fallback). The device
+stand-in itself is the version-keyed patch :data:`respo_verl.patches.megatron_core_0_16_1.CPU`; :func:`megatron_cpu`
+applies it for the duration of a block together with the process group and megatron's parallel state, and undoes all
+three afterwards.
 """
 
 from __future__ import annotations
@@ -93,26 +94,3 @@ def forward(model, input_ids: torch.Tensor) -> torch.Tensor:
     position_ids = torch.arange(seq).expand(batch, seq)  # (B, T)
     causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
     return model(input_ids, position_ids, attention_mask=causal_mask)
-
-
-@contextlib.contextmanager
-def verl_router_replay_patch() -> Iterator[None]:
-    """verl's ``apply_router_replay_patch()`` for the duration of a block; megatron-core's classes are restored
-    afterwards (verl's patch has no undo)."""
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    saved = [(cls, dict(vars(cls))) for cls in (TopKRouter, TransformerConfig, MoEAlltoAllTokenDispatcher)]
-    from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
-
-    apply_router_replay_patch()
-    try:
-        yield
-    finally:
-        for cls, attrs in saved:
-            for name in set(vars(cls)) - set(attrs):
-                delattr(cls, name)
-            for name, value in attrs.items():
-                if vars(cls).get(name) is not value:
-                    setattr(cls, name, value)
