@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -27,20 +28,53 @@ METRIC_PREFIX = {name: f"actor/{name}/" for name in ("respo", "vespo", *ABLATION
 TRACE_ENV = "RESPO_VERL_KERNEL_TRACE"
 
 
-def _kernel_config(config: Any, loss_name: str) -> ReSPOConfig | VESPOConfig | HybridConfig:
+# Kernel blocks each loss reads from ``config.policy_loss``.
+_BLOCKS = {"respo": ("respo",), "vespo": ("vespo",), "respo_pos": ("respo", "vespo"), "respo_neg": ("respo", "vespo"),
+           "phi_one": ("respo",)}  # fmt: skip
+_KERNEL_CONFIGS = {"respo": ReSPOConfig, "vespo": VESPOConfig}
+_ANNOUNCED: set[str] = set()  # losses whose paper-default fallback this process has announced
+
+
+def _kernel_config(
+    config: Any, loss_name: str, rollout_is_weights: torch.Tensor | None = None
+) -> ReSPOConfig | VESPOConfig | HybridConfig:
     """The kernel config ``loss_name`` reads from ``config.policy_loss``: ``respo``/``vespo`` their own block, the
-    hybrids both blocks (:class:`HybridConfig`), ``phi_one`` the ``respo`` block (its log W only)."""
+    hybrids both blocks (:class:`HybridConfig`), ``phi_one`` the ``respo`` block (its log W only).
+
+    verl's own way of choosing a loss, ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>`` without
+    ``+algorithm=<name>``, leaves verl's ``PolicyLossConfig`` in place, which has no kernel blocks: the loss then
+    trains with the paper's defaults (the dataclasses' defaults) and says so once per process (docs/method.md,
+    "Configuration keys"). Except with rollout-IS weights: whether they are per token or per sequence is a key of the
+    kernel block (``rollout_is_level``) that verl's config cannot carry, so that case raises, as does a
+    ``policy_loss`` that does not select this loss at all.
+    """
     policy_loss = getattr(config, "policy_loss", None) if config is not None else None
-    blocks = {"respo": ("respo",), "vespo": ("vespo",), "respo_pos": ("respo", "vespo"),
-              "respo_neg": ("respo", "vespo"), "phi_one": ("respo",)}[loss_name]  # fmt: skip
-    expected = {"respo": ReSPOConfig, "vespo": VESPOConfig}
+    blocks = _BLOCKS[loss_name]
     found = [getattr(policy_loss, block, None) for block in blocks]
-    if not all(isinstance(value, expected[block]) for block, value in zip(blocks, found)):
-        raise TypeError(
-            f"loss_mode={loss_name!r} needs actor_rollout_ref.actor.policy_loss._target_="
-            f"respo_verl.verl.config.ReSPOPolicyLossConfig (set by +algorithm={loss_name}); got policy_loss of type "
-            f"{type(policy_loss).__name__}"
-        )
+    fix = (
+        f"actor_rollout_ref.actor.policy_loss._target_=respo_verl.verl.config.ReSPOPolicyLossConfig (set by "
+        f"+algorithm={loss_name})"
+    )
+    if not all(isinstance(value, _KERNEL_CONFIGS[block]) for block, value in zip(blocks, found)):
+        selected = getattr(policy_loss, "loss_mode", None) == loss_name and not any(found)
+        if not selected:
+            got = type(policy_loss).__name__
+            raise TypeError(f"loss_mode={loss_name!r} needs {fix}; got policy_loss of type {got}")
+        if rollout_is_weights is not None:
+            raise TypeError(
+                f"loss_mode={loss_name!r} with rollout-IS weights needs {fix}: verl's PolicyLossConfig cannot say "
+                f"whether they are per token or per sequence (policy_loss.{blocks[0]}.rollout_is_level)"
+            )
+        found = [_KERNEL_CONFIGS[block]() for block in blocks]
+        if loss_name not in _ANNOUNCED:
+            _ANNOUNCED.add(loss_name)
+            print(
+                f"respo-verl: loss_mode={loss_name} with verl's PolicyLossConfig: the kernel uses the paper's "
+                f"defaults, {', '.join(map(repr, found))}; to change them select {fix} and set "
+                f"actor_rollout_ref.actor.policy_loss.<{'|'.join(blocks)}>.<field>",
+                file=sys.stderr,
+                flush=True,
+            )
     return HybridConfig(*found) if len(found) == 2 else found[0]
 
 
@@ -117,7 +151,7 @@ def _register(loss_name: str, doc: str):
         rollout_is_weights: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        kernel_config = _kernel_config(config, loss_name)
+        kernel_config = _kernel_config(config, loss_name, rollout_is_weights)
         terms = kernel_terms(
             loss_name, log_prob, old_log_prob, advantages, response_mask, kernel_config, rollout_is_weights
         )
