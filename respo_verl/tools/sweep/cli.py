@@ -18,15 +18,16 @@ from respo_verl.tools.runs.manifest import write_manifest
 from respo_verl.tools.runs.options import reuse_list, seed_list, split_overrides
 from respo_verl.tools.sweep.grid import ROUTING_MODES, SweepSpec, expand
 from respo_verl.tools.sweep.local import SweepBusy, run_locally, summary
+from respo_verl.tools.sweep.rayjobs import run_on_ray
 from respo_verl.tools.sweep.runner import (
     ClusterError,
     Status,
     SweepConflict,
     check_same_sweep,
+    connect,
     is_complete,
     replace_sweep,
     shell_line,
-    submit_to_ray,
 )
 
 USAGE_ERROR = 2
@@ -72,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         help="print one shell line per run (for a scheduler) and write the manifest; run nothing",
     )
     mode.add_argument("--ray", metavar="ADDRESS", help="submit the runs as Ray jobs to this dashboard address")
+    p.add_argument("--no-wait", action="store_true", help="with --ray: submit and return, without waiting")
     p.add_argument("--force", action="store_true", help="reuse an --out that holds another grid or other shared "
                    "settings: the files of the runs that differ move to OUT/replaced-<time>/")  # fmt: skip
     p.add_argument("--no-compose", action="store_true", help="skip composing and checking each run (no config hash; "
@@ -126,6 +128,14 @@ def main(argv: list[str]) -> int:
         return _error(str(exc))
     except OSError as exc:
         return _error(f"--out {args.out}: cannot move the files of the runs that differ ({exc})")
+    if args.no_wait and not args.ray:
+        return _error("--no-wait goes with --ray (a sweep run here runs its runs one after another)")
+    client = None
+    if args.ray:
+        try:
+            client = connect(args.ray)
+        except ClusterError as exc:
+            return _error(str(exc))
     try:
         manifest = write_manifest(records, args.out)
     except OSError as exc:
@@ -138,12 +148,14 @@ def main(argv: list[str]) -> int:
         return 0
     if args.ray:
         try:
-            outcomes = submit_to_ray(records, args.out, args.ray)
-        except ClusterError as exc:
-            return _error(str(exc))
-        for outcome in outcomes:
-            print(f"{outcome.name}: {outcome.line}")
+            outcomes = run_on_ray(records, args.out, client, wait=not args.no_wait)
+        except KeyboardInterrupt:
+            print("respo-verl sweep: stopped waiting; the jobs go on (the same command waits for them again)",
+                  file=sys.stderr)  # fmt: skip
+            return INTERRUPTED
         print(f"manifest: {manifest}")
+        if not args.no_wait:
+            print(summary(outcomes, len(records)), flush=True)
         return 1 if any(o.status is Status.FAILED for o in outcomes) else 0
     try:
         outcomes = run_locally(records, args.out)

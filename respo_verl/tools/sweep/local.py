@@ -253,6 +253,7 @@ def _run_one(
             f"interrupted ({how}) with {logged} of {steps} steps logged; the same command resumes it",
         )
     progress.write(failure_report(record, how, logged, output, offset_run))
+    progress.drop(steps - logged)
     return Outcome(record.name, Status.FAILED, f"failed: {how}, {logged} of {steps} steps logged")
 
 

@@ -56,9 +56,18 @@ class SweepProgress:
     def update(self, index: int, name: str, step: int, steps: int, sweep_done: int) -> None:
         """Run ``index`` (1-based) named ``name`` is at ``step`` of ``steps``; ``sweep_done`` steps of the sweep are
         logged in all."""
-        self.desc = f"run {index} of {self.runs}: {name}, step {step} of {steps}"
-        self.done = sweep_done
+        self.show(f"run {index} of {self.runs}: {name}, step {step} of {steps}", sweep_done)
+
+    def show(self, desc: str, sweep_done: int) -> None:
+        """Any description (the Ray executor's: runs done, running, failed) and the sweep's logged steps."""
+        self.desc, self.done = desc, sweep_done
         self.refresh()
+
+    def drop(self, steps: int) -> None:
+        """Leave out ``steps`` that will not be made in this sweep (those a failed run did not log)."""
+        self.total = max(self.total - steps, self.done)
+        if self._bar is not None:
+            self._bar.total = self.total
 
     def line(self) -> str:
         return tqdm.format_meter(

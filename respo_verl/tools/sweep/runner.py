@@ -73,10 +73,6 @@ def local_command(record: RunRecord) -> list[str]:
     return list(record.command)
 
 
-def _skipped(record: RunRecord) -> Outcome:
-    return Outcome(record.name, Status.SKIPPED, "skipped: log complete")
-
-
 def _host_port(address: str) -> tuple[str, int] | None:
     """(host, port) of a Ray address (``http://head:8265``, ``ray://head:10001``, ``head:6379``), or None when it has
     no port to probe (``auto``, a name without a port)."""
@@ -114,30 +110,6 @@ def connect(address: str):
     except Exception as exc:  # ConnectionError (dashboard), ray.exceptions.RpcError (GCS), ValueError (address)
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ClusterError(f"cannot reach the Ray cluster at {address}: {cause}") from None
-
-
-def submit_to_ray(records: list[RunRecord], out_dir: Path, address: str, client=None) -> list[Outcome]:
-    """Submit incomplete runs as Ray jobs to the cluster at ``address`` (its dashboard, e.g. http://head:8265).
-
-    The submission id is the run name, so submitting a sweep twice is refused by Ray for runs already submitted.
-
-    Raises:
-        ClusterError: the cluster cannot be reached (:func:`connect`).
-    """
-    if client is None:
-        client = connect(address)
-    outcomes = []
-    for record in records:
-        if is_complete(record, out_dir):
-            outcomes.append(_skipped(record))
-            continue
-        job_id = client.submit_job(
-            entrypoint=shlex.join(["python", *record.command[1:]]),
-            submission_id=record.name,
-            runtime_env={"env_vars": dict(record.env)},
-        )
-        outcomes.append(Outcome(record.name, Status.SUBMITTED, f"submitted as {job_id}"))
-    return outcomes
 
 
 class SweepConflict(ValueError):

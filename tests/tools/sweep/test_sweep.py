@@ -20,7 +20,6 @@ from respo_verl.cli import main as cli_main
 from respo_verl.run.compose import compose_job
 from respo_verl.tools.runs.manifest import read_manifest
 from respo_verl.tools.sweep.grid import SweepSpec, expand
-from respo_verl.tools.sweep.runner import submit_to_ray
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -143,27 +142,6 @@ def test_other_errors_are_not_reported_as_composition_failures(tmp_path, monkeyp
     monkeypatch.setattr(grid, "compose_job", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         cli_main(["sweep", "--print", "--out", str(tmp_path)])
-
-
-def test_ray_submission_sends_each_incomplete_run_once(tmp_path):
-    """A recording client stands in for Ray's JobSubmissionClient: a Ray dashboard does not run in this test suite."""
-
-    class RecordingClient:
-        def __init__(self):
-            self.jobs = []
-
-        def submit_job(self, entrypoint, submission_id, runtime_env):
-            self.jobs.append((entrypoint, submission_id, runtime_env))
-            return submission_id
-
-    spec = SweepSpec(algorithms=("vespo",), reuse=(16,), seeds=(0, 1), out_dir=tmp_path)
-    records = expand(spec, compose=False)
-    client = RecordingClient()
-    outcomes = submit_to_ray(records, tmp_path, "http://head:8265", client=client)
-    assert [o.line for o in outcomes] == [f"submitted as {r.name}" for r in records]
-    entry, sid, env = client.jobs[0]
-    assert entry.startswith("python -m respo_verl.main_ppo algorithm=vespo") and sid == records[0].name
-    assert env == {"env_vars": records[0].env}
 
 
 def _closed_port() -> int:
