@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from respo_verl.run.datacheck import check_data
 from respo_verl.run.jobcheck import check_machine, check_model
+from respo_verl.run.stops import EXIT_ERROR, stop_of
 
 PROG = "respo_verl.main_ppo"  # how the run's own lines name it
 _WATCHDOG = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
@@ -141,7 +142,9 @@ def check_trainer(config: DictConfig) -> None:
 def train(config: DictConfig) -> None:
     """Check the machine, the model and the data, validate ``config`` as verl's main_ppo does, then train with verl's
     V1 or legacy TaskRunner. Raises the checks' errors (DataCheckError, MachineCheckError, ModelCheckError) before
-    Ray starts."""
+    Ray starts. A run that stops prints one line naming the cause (:func:`respo_verl.run.stops.stop_of`) on
+    stderr before anything else of the stop, and exits with its status (``SystemExit``); an error the run does not
+    know is re-raised after its line (exit 1, with its traceback)."""
     check_machine(config)  # before Ray: a cuda job on a machine without CUDA, with a Ray of its own
     check_model(config)  # before Ray: a model path that is not there, routing replay on a dense model
     check_data(config)  # before Ray: rows verl would otherwise train on silently
@@ -162,6 +165,12 @@ def train(config: DictConfig) -> None:
         from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
     try:
         run_ppo(config, task_runner_class=with_driver_hooks(runner_cls, config))
+    except Exception as exc:  # Ray re-raises the trainer's stop wrapped in a traceback per process: its line first
+        stop = stop_of(exc, PROG)
+        print(stop.line, file=sys.stderr, flush=True)
+        if stop.status == EXIT_ERROR:
+            raise
+        raise SystemExit(stop.status) from None
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -22,11 +22,16 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
   reward or rollout failed, replaced by padding or evicted by verl and generated again
   (``respo_verl/failed_samples``, ``.../failed_share``, :func:`failed_sample_metrics`) above a share, and
   a collapsed policy (the clamp share of log W above a bound, or entropy near 0 with no group that carries a signal
-  for K steps in a row) stop the run with the metric and the step named; so does an agent-loop worker that dies
-  while a step waits for its samples (verl's replay buffer would wait for them for ever). A guard on a step's
-  metrics first logs that step, to every logger verl was given, with ``respo_verl/stopped`` = 1
-  (:data:`STOPPED_KEY`), then stops the run; an error of the advantage computation (non-finite rewards) names its
-  step.
+  for K steps in a row) stop the run with the metric and the step named. A guard on a step's metrics first logs
+  that step, to every logger verl was given, with ``respo_verl/stopped`` = 1 (:data:`STOPPED_KEY`), then stops the
+  run; non-finite rewards (the advantage computation) and log-probs (the loss) stop it naming the step.
+- **a watch over the waits verl would never end.** While verl's replay buffer waits for a step's samples (it polls
+  with no timeout), the actors the step waits on are checked for life (:func:`watched_actors`: agent-loop and
+  reward-loop workers, rollout servers and their load balancer; :class:`SampleWaitWatch`); a dead actor that a
+  ``ray.get`` of the step meets is named with its step too (:func:`stop_for_error`).
+
+Every stop is a :class:`respo_verl.run.stops.RunStopped`, whose class gives the entry point its one line and exit
+status (:mod:`respo_verl.run.stops`).
 """
 
 from __future__ import annotations
@@ -34,11 +39,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from respo_verl.patches import Patch
+from respo_verl.run.stops import (
+    ActorDied,
+    NonFinite,
+    RunStopped,
+    actor_died_cause,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +69,13 @@ ENTROPY_KEY = "actor/entropy"
 ADVANTAGE_KEYS = ("critic/advantages/max", "critic/advantages/min")
 # The kernel losses' share of sequences whose log W sits at the clamp, under actor/<loss>/.
 CLAMP_SUFFIX = "/clamp_frac"
-# While a step waits for its samples, how often the agent-loop workers are checked for life (one Ray call each).
+# While a step waits for its samples, how often the actors it waits on are checked for life (one Ray call each, all
+# at once); a failed sample (verl then generates its group again) checks them at once.
 WORKER_CHECK_INTERVAL_S = 10.0
-# A live worker answers its readiness call at once unless its event loop is blocked; longer counts as alive.
+# A live actor answers its readiness call at once unless its event loop is blocked; longer counts as alive.
 WORKER_READY_TIMEOUT_S = 5.0
 
-
-class RunStopped(RuntimeError):
-    """A guard stopped the run; the message names the metric, its value, the bound and the step."""
+__all__ = ["ActorDied", "GuardConfig", "NonFinite", "RunStopped", "StepGuards"]
 
 
 @dataclass(frozen=True)
@@ -164,24 +175,123 @@ def failed_sample_metrics(tags: list[dict], expected: int, evicted_groups: float
     return {FAILED_SAMPLES_KEY: float(failed), FAILED_SHARE_KEY: failed / generated if generated else 0.0}
 
 
-def dead_agent_loop_workers(workers: list, step: int) -> None:
-    """Raise :class:`RunStopped` when an agent-loop worker actor has died (Ray's ``ActorDiedError`` for its readiness
-    call). A worker busy past :data:`WORKER_READY_TIMEOUT_S`, or unreachable for a moment (``ActorUnavailableError``,
-    which Ray raises for a network blip too), counts as alive: the next check asks again."""
-    import ray
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+def watched_actors(trainer: Any) -> list[tuple[str, list]]:
+    """The Ray actors a step of verl 0.9.1's V1 trainer waits on while it waits for its samples, by kind: the
+    agent-loop workers (they run the rollouts), the reward-loop workers (the agent loop asks them for every
+    sample's reward), the rollout servers and their load balancer (the agent loop asks them for every token). A
+    kind the run does not have is left out. The worker groups (actor, reference, critic) and TransferQueue are not
+    here: the step calls them with ``ray.get``, which raises Ray's ``ActorDiedError`` for a dead one
+    (:func:`stop_for_error`)."""
+    agent_loop = getattr(trainer, "agent_loop_manager", None)
+    reward_loop = getattr(trainer, "reward_loop_manager", None)
+    servers = getattr(trainer, "llm_server_manager", None)
+    balancer = getattr(servers, "global_load_balancer", None)
+    kinds = [
+        ("agent-loop worker", getattr(agent_loop, "agent_loop_workers", None)),
+        ("reward-loop worker", getattr(reward_loop, "reward_loop_workers", None)),
+        ("rollout server", getattr(servers, "server_handles", None)),
+        ("rollout load balancer", [balancer] if balancer is not None else None),
+    ]
+    return [(kind, list(handles)) for kind, handles in kinds if handles]
 
-    for index, worker in enumerate(workers):
+
+def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: str) -> None:
+    """Raise :class:`ActorDied` when one of ``actors`` (:func:`watched_actors`) has died: Ray's ``ActorDiedError``
+    for its readiness call. All are asked at once; one busy past :data:`WORKER_READY_TIMEOUT_S`, or unreachable for
+    a moment (``ActorUnavailableError``, which Ray raises for a network blip too), counts as alive: the next check
+    asks again."""
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    calls = [
+        (kind, index, len(handles), h.__ray_ready__.remote())
+        for kind, handles in actors
+        for index, h in enumerate(handles)
+    ]
+    if not calls:
+        return
+    ready, _ = ray.wait([ref for *_, ref in calls], num_returns=len(calls), timeout=WORKER_READY_TIMEOUT_S)
+    answered = set(ready)
+    for kind, index, count, ref in calls:
+        if ref not in answered:
+            continue
         try:
-            ray.get(worker.__ray_ready__.remote(), timeout=WORKER_READY_TIMEOUT_S)
-        except (GetTimeoutError, ActorUnavailableError):
+            ray.get(ref)
+        except ActorUnavailableError:
             continue
         except ActorDiedError as exc:
-            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RunStopped(
-                f"step {step}: agent-loop worker {index} of {len(workers)} has died while the step waited for its "
-                f"samples ({type(exc).__name__}: {cause}); its prompts would never finish"
+            who, reason = actor_died_cause(exc)
+            raise ActorDied(
+                f"step {step}: {kind} {index} of {count} ({who}) has died while the step waited for {waiting_for}: "
+                f"{reason}"
             ) from None
+
+
+def stop_for_error(exc: BaseException, step: int) -> RunStopped | None:
+    """The stop for an error that ended a step where no watch was waiting (a ``ray.get`` of the step): a dead Ray
+    actor (:class:`ActorDied`, its class, pid and Ray's cause), or non-finite values refused by the loss
+    (``FloatingPointError``, :class:`NonFinite`); None for any other error."""
+    from respo_verl.run.stops import causes
+
+    chain = causes(exc)
+    for inner in reversed(chain):
+        if any(cls.__name__ == "ActorDiedError" for cls in type(inner).__mro__):
+            who, reason = actor_died_cause(inner)
+            return ActorDied(f"step {step}: {who} has died while the step waited for it: {reason}")
+    for inner in reversed(chain):
+        if isinstance(inner, FloatingPointError):
+            first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+            return NonFinite(f"step {step}: FloatingPointError: {first}")
+    return None
+
+
+class SampleWaitWatch:
+    """What the respo-verl trainer checks while verl's replay buffer waits for a step's samples (verl 0.9.1 polls
+    with no timeout): the actors the step waits on are alive (:func:`check_actors_alive`, every
+    :data:`WORKER_CHECK_INTERVAL_S` and after every failed sample)."""
+
+    def __init__(self, actors: list[tuple[str, list]], clock: Callable[[], float] = time.monotonic) -> None:
+        self.actors, self.clock = actors, clock
+        self.step = 0
+        self._next_liveness = clock() + WORKER_CHECK_INTERVAL_S
+
+    def progressed(self, step: int) -> None:
+        """A step began."""
+        self.step = step
+
+    def check(self, buffer: Any, partition_id: str | None, failed: bool = False) -> None:
+        waiting_for = f"its {'validation' if partition_id == 'val' else 'train'} samples"
+        if failed or self.clock() >= self._next_liveness:
+            check_actors_alive(self.actors, self.step, waiting_for)
+            self._next_liveness = self.clock() + WORKER_CHECK_INTERVAL_S
+
+
+def watch_replay_buffer(buffer: Any, watch: SampleWaitWatch) -> Patch:
+    """The patch that makes ``buffer`` (verl 0.9.1's ``ReplayBuffer``, one instance) run ``watch`` after each of
+    its polls (``_wait_for_next_poll``, private: its loop in ``sample`` has no other place to stop) and before
+    each refill of failed groups (``refill_fn``)."""
+
+    def install(patch: Patch) -> None:
+        wait, refill = buffer._wait_for_next_poll, buffer.refill_fn
+
+        def wait_then_watch(partition_id, *args, **kwargs):
+            result = wait(partition_id, *args, **kwargs)
+            watch.check(buffer, partition_id)
+            return result
+
+        patch.replace(buffer, "_wait_for_next_poll", wait_then_watch, "liveness and step-progress watch per poll")
+        if refill is not None:
+
+            def watch_then_refill(*args, **kwargs):
+                watch.check(buffer, None, failed=True)
+                return refill(*args, **kwargs)
+
+            patch.replace(buffer, "refill_fn", watch_then_refill, "a failed sample checks the actors at once")
+
+    return Patch(WATCH_PATCH_NAME, "verl", "0.9.1", install)
+
+
+WATCH_PATCH_NAME = "watched waits of verl's replay buffer"
 
 
 def in_prompt_order(batch, prompt_order: dict[str, int]):
@@ -250,7 +360,7 @@ def _trainer_class() -> type:
 
         def on_train_begin(self):
             super().on_train_begin()
-            self._watch_agent_loop_workers()
+            self._watch_sample_waits()
             self._sample_in_prompt_order()
             log = self.logger.log  # verl's Tracking, built by fit() before this hook
 
@@ -260,25 +370,31 @@ def _trainer_class() -> type:
 
             self.logger.log = log_then_mark
 
-        def _watch_agent_loop_workers(self) -> None:
-            """While the replay buffer waits for a step's samples, check every :data:`WORKER_CHECK_INTERVAL_S`
-            that the agent-loop workers are alive (verl's poll has no timeout: the prompts a dead worker took stay
-            "running" for ever); a dead one stops the run, naming it and Ray's cause."""
-            buffer = getattr(self, "replay_buffer", None)
-            workers = getattr(getattr(self, "agent_loop_manager", None), "agent_loop_workers", None)
-            if buffer is None or not workers or not hasattr(buffer, "_wait_for_next_poll"):
+        def _watch_sample_waits(self) -> None:
+            """While the replay buffer waits for a step's samples, watch the actors the step waits on
+            (:class:`SampleWaitWatch`); not with ``run_guard.enable=false``."""
+            if not self._guards.config.enable:
                 return
-            wait = buffer._wait_for_next_poll
-            next_check = [time.monotonic() + WORKER_CHECK_INTERVAL_S]
+            self._watch = SampleWaitWatch(watched_actors(self))
+            self._watch.progressed(self.global_steps)
+            self._watch_patch = watch_replay_buffer(self.replay_buffer, self._watch)
+            self._watch_patch.apply()
 
-            def wait_and_check(*args, **kwargs):
-                result = wait(*args, **kwargs)
-                if time.monotonic() >= next_check[0]:
-                    dead_agent_loop_workers(workers, self.global_steps)
-                    next_check[0] = time.monotonic() + WORKER_CHECK_INTERVAL_S
-                return result
+        def on_step_begin(self):
+            super().on_step_begin()
+            if getattr(self, "_watch", None) is not None:
+                self._watch.progressed(self.global_steps)
 
-            buffer._wait_for_next_poll = wait_and_check
+        def fit(self, *args, **kwargs):
+            try:
+                return super().fit(*args, **kwargs)
+            except RunStopped:
+                raise
+            except Exception as exc:  # a dead actor the step called, non-finite values: one line naming the step
+                stop = stop_for_error(exc, self.global_steps)
+                if stop is None:
+                    raise
+                raise stop from None
 
         def _sample_in_prompt_order(self) -> None:
             """The replay buffer's train batches in the data loader's order (:func:`in_prompt_order`)."""
@@ -349,7 +465,7 @@ def _trainer_class() -> type:
             try:
                 return super()._compute_advantage(batch, metrics)
             except ValueError as exc:  # e.g. non-finite rewards: verl's message does not say which step
-                raise RunStopped(f"step {self.global_steps}: {exc}") from exc
+                raise NonFinite(f"step {self.global_steps}: {exc}") from exc
 
     return RespoTrainer
 

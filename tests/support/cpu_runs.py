@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from respo_verl.cpu.kit.build import kit_root
 
 # test-only modules loaded in every Ray process of a run
 MODULES = Path(__file__).resolve().parents[1] / "cpu" / "modules"
+FAULTS = Path(__file__).resolve().parent / "cpu_modules"  # fault injections selected by file path
+STOP = "respo_verl.main_ppo: stopped "
 
 
 def run_env(log: Path) -> dict[str, str]:
@@ -61,9 +65,16 @@ def start(tmp_path: Path, argv: list[str], ray_tmp: str, log: Path, out) -> subp
     )
 
 
-def launch(tmp_path: Path, argv: list[str], sigterm_after_step: int | None = None, timeout: float = 600):
+def launch(
+    tmp_path: Path,
+    argv: list[str],
+    sigterm_after_step: int | None = None,
+    timeout: float = 600,
+    while_running: Callable[[subprocess.Popen, str], None] | None = None,
+):
     """Run ``argv`` (a Ray temp dir of its own); with ``sigterm_after_step``, send the driver SIGTERM as soon as
-    the log holds that step. Returns (returncode, output)."""
+    the log holds that step; ``while_running(proc, output so far)`` is called every half second while it runs.
+    Returns (returncode, output)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "log.jsonl"
     ray_tmp = tempfile.mkdtemp(prefix="rv-ray-", dir="/tmp")  # Ray's socket paths must stay short
@@ -71,17 +82,22 @@ def launch(tmp_path: Path, argv: list[str], sigterm_after_step: int | None = Non
     try:
         with out_path.open("w") as out:
             proc = start(tmp_path, argv, ray_tmp, log, out)
-            deadline = time.monotonic() + timeout
-            signalled = sigterm_after_step is None
-            while proc.poll() is None and time.monotonic() < deadline:
-                if not signalled and logged_steps(log) and max(logged_steps(log)) >= sigterm_after_step:
-                    proc.send_signal(signal.SIGTERM)
-                    signalled = True
-                time.sleep(0.5)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-                pytest.fail(f"{argv} did not end within {timeout} s")
+            try:
+                deadline = time.monotonic() + timeout
+                signalled = sigterm_after_step is None
+                while proc.poll() is None and time.monotonic() < deadline:
+                    if not signalled and logged_steps(log) and max(logged_steps(log)) >= sigterm_after_step:
+                        proc.send_signal(signal.SIGTERM)
+                        signalled = True
+                    if while_running is not None:
+                        while_running(proc, out_path.read_text(errors="replace"))
+                    time.sleep(0.5)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    if time.monotonic() >= deadline:
+                        pytest.fail(f"{argv} did not end within {timeout} s")
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     return proc.returncode, out_path.read_text(errors="replace")
@@ -92,3 +108,27 @@ def logged_steps(log: Path) -> list[int]:
         return []
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip().endswith("}")]
     return [r["step"] for r in records if "step" in r]
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or one of its descendants (Linux /proc)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+    return False
+
+
+def stop_line(out: str, pattern: str) -> re.Match:
+    """The driver's one stop line, matched by ``pattern`` (after ``respo_verl.main_ppo: stopped ``); nothing after it
+    is a traceback, and it is the only such line."""
+    lines = [line for line in out.splitlines() if line.startswith(STOP)]
+    assert len(lines) == 1, (lines, out[-4000:])
+    found = re.fullmatch(re.escape(STOP) + pattern, lines[0])
+    assert found, (lines[0], pattern)
+    assert "Traceback" not in out[out.index(lines[0]) :], out[-4000:]
+    return found

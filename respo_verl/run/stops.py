@@ -1,0 +1,107 @@
+"""Why a run stopped, as one line and an exit status (docs/cluster.md, "Exit status", lists them).
+
+The trainer raises a :class:`RunStopped` (or a subclass) in verl's TaskRunner actor; Ray re-raises it in the
+driver wrapped in ``RayTaskError``, with a traceback per process it went through. :func:`stop_of` finds the stop in
+that chain, so that the entry point prints its one line first and exits with its status instead of Ray's traceback.
+Imports neither verl nor Ray.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+EXIT_ERROR = 1  # an error the run does not know: the one line, then its traceback
+EXIT_REFUSED = 2  # the job was refused before it started (a check of the job, the data, the machine, a node)
+EXIT_GUARD = 3  # a run guard on a step's metrics or data (failed samples, a collapsed policy, non-finite values)
+EXIT_ACTOR_DIED = 4  # a process the step waits on died (a Ray actor: worker, server, reward worker, ...)
+
+# Ray's error text for a dead actor goes on with advice about every possible cause; the line keeps what happened.
+_RAY_ADVICE = re.compile(r"\s*(Some common causes include|There are some potential root causes|Check the).*", re.S)
+MAX_CAUSE_CHARS = 300  # a cause longer than this is cut: the line must stay one line a person reads
+
+
+class RunStopped(RuntimeError):
+    """A guard stopped the run; the message names the metric, its value, the bound and the step."""
+
+    exit_status = EXIT_GUARD
+    what = "run guard"
+
+
+class NonFinite(RunStopped):
+    """Non-finite values in a step's data (rewards, log-probs); the message names the step and the values."""
+
+    what = "non-finite data"
+
+
+class ActorDied(RunStopped):
+    """A process the step waits on died; the message names its kind, the step and Ray's cause."""
+
+    exit_status = EXIT_ACTOR_DIED
+    what = "dead actor"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """What the entry point prints and exits with."""
+
+    line: str
+    status: int
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps, outermost first: Ray's ``cause`` of a ``RayTaskError``, then ``__cause__``."""
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        chain.append(current)
+        seen.add(id(current))
+        inner = getattr(current, "cause", None)
+        current = inner if isinstance(inner, BaseException) else current.__cause__
+    return chain
+
+
+def actor_died_cause(exc: BaseException) -> tuple[str, str]:
+    """(the dead actor's class and pid, Ray's reason in one line) from a Ray ``ActorDiedError``'s text."""
+    text = str(exc)
+    name = re.search(r"class_name: (\S+)", text)
+    pid = re.search(r"\bpid: (\d+)", text)
+    who = (name[1] if name else "an actor") + (f", pid {pid[1]}" if pid else "")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("\t")]
+    told = [line for line in lines if line != "The actor died unexpectedly before finishing this task."]
+    detail = _RAY_ADVICE.sub("", told[0] if told else (lines[0] if lines else type(exc).__name__)).strip()
+    return who, _one_line(detail)
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_CAUSE_CHARS else text[: MAX_CAUSE_CHARS - 3] + "..."
+
+
+def stop_of(exc: BaseException, prog: str) -> Stop:
+    """The one line and exit status for ``exc``, an exception that ended the run in the driver.
+
+    A :class:`RunStopped` anywhere in the chain: its message, its status. A Ray ``ActorDiedError`` (a process died
+    where the trainer did not watch, the TaskRunner itself among them): the dead actor and Ray's cause, status
+    :data:`EXIT_ACTOR_DIED`. Anything else: its type and first line, status :data:`EXIT_ERROR` (the caller shows
+    its traceback after the line).
+    """
+    chain = causes(exc)
+    # innermost first: Ray's wrappers are instances of the class they wrap too, with its traceback as their text
+    for inner in reversed(chain):
+        if isinstance(inner, RunStopped):
+            return Stop(
+                f"{prog}: stopped ({inner.what}, exit {inner.exit_status}): {_one_line(str(inner))}", inner.exit_status
+            )
+    for inner in reversed(chain):
+        if any(cls.__name__ == "ActorDiedError" for cls in type(inner).__mro__):
+            who, reason = actor_died_cause(inner)
+            return Stop(f"{prog}: stopped (dead actor, exit {EXIT_ACTOR_DIED}): {who} died: {reason}", EXIT_ACTOR_DIED)
+    innermost = chain[-1]
+    first = str(innermost).strip().splitlines()[0] if str(innermost).strip() else ""
+    return Stop(
+        f"{prog}: stopped (error, exit {EXIT_ERROR}): {type(innermost).__name__}: {_one_line(first)} "
+        "(its traceback follows)",
+        EXIT_ERROR,
+    )

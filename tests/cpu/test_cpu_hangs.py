@@ -1,0 +1,69 @@
+"""Runs that would hang for ever stop, end to end on CPU: ``python -m respo_verl.main_ppo algorithm=respo +device=cpu``.
+
+Real subprocesses of our entry point, as in test_cpu_stops.py: the run's reward worker killed between steps (the
+liveness watch of the actors a step waits on). verl 0.9.1 would wait for ever: its replay buffer polls for the
+step's samples with no timeout. About 80 s on a 2-core machine with other jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from support import cpu_runs
+
+from respo_verl.cpu.kit.build import KitSpec, build_kit
+from respo_verl.run.stops import EXIT_ACTOR_DIED
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def kit():
+    return build_kit(KitSpec(), progress=False)
+
+
+def test_the_runs_reward_worker_killed_mid_run_stops_the_run_within_a_minute(kit, tmp_path):
+    """SIGKILL of the run's RewardLoopWorker once step 1 is logged (found by the pid the reward function reports,
+    tests/support/cpu_modules/announcing_reward.py, and checked to be a process of this run's driver and a reward
+    worker): the next sample's reward fails, and before verl generates its group again the trainer finds the reward
+    worker dead. Without the watch verl regenerated the group for ever, a traceback each time."""
+    log = tmp_path / "log.jsonl"
+    killed: dict = {}
+
+    def kill_reward_worker(proc, out: str) -> None:
+        if killed or not cpu_runs.logged_steps(log):
+            return
+        # the driver scores a response too, before Ray starts: the line must come from the reward worker
+        announced = re.search(r"\(RewardLoopWorker pid=(\d+)\)\S* announcing_reward: scoring in pid (\d+)", out)
+        assert announced and announced[1] == announced[2], out[-4000:]
+        pid = int(announced[1])
+        assert cpu_runs.descends_from(pid, proc.pid), f"pid {pid} is not a process of this run"
+        assert b"RewardLoopWorker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        os.kill(pid, signal.SIGKILL)
+        killed.update(pid=pid, at=time.monotonic())
+
+    command = cpu_runs.command(
+        tmp_path / "ckpt",
+        2,
+        4,
+        "trainer.save_freq=-1",
+        f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'announcing_reward.py'}",
+    )
+    rc, out = cpu_runs.launch(tmp_path, command, timeout=420, while_running=kill_reward_worker)
+    seconds = time.monotonic() - killed["at"]
+    assert rc == EXIT_ACTOR_DIED, out[-4000:]
+    found = cpu_runs.stop_line(
+        out,
+        rf"\(dead actor, exit {EXIT_ACTOR_DIED}\): step (\d+): reward-loop worker 0 of 1 \(RewardLoopWorker, pid "
+        r"(\d+)\) has died while the step waited for its train samples: (.+)",
+    )
+    step, pid, cause = int(found[1]), int(found[2]), found[3]
+    assert pid == killed["pid"] and step in (2, 3), found[0]
+    assert "The actor is dead because its worker process has died" in cause, cause
+    assert seconds < 60, f"the driver ended {seconds:.0f} s after the kill"
+    print(f"reward worker pid {pid} killed; driver exit {rc} after {seconds:.1f} s: {found[0]}")

@@ -1,0 +1,133 @@
+"""How a run that cannot go on stops: the line and exit status the entry point gives each stop, and the watch the
+respo-verl trainer keeps over verl's replay buffer while a step waits for its samples.
+
+Ray's own exception classes wrap the stops as the driver receives them; the watch runs on verl 0.9.1's real
+``ReplayBuffer``. End to end (a killed reward worker): tests/cpu/test_cpu_hangs.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ray.core.generated.common_pb2 import ActorDiedErrorContext
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from respo_verl.run.stops import (
+    EXIT_ACTOR_DIED,
+    EXIT_ERROR,
+    EXIT_GUARD,
+    ActorDied,
+    NonFinite,
+    RunStopped,
+    stop_of,
+)
+from respo_verl.run.trainer import WATCH_PATCH_NAME, SampleWaitWatch, stop_for_error, watch_replay_buffer
+
+PROG = "respo_verl.main_ppo"
+# Ray 2.60's reason for a worker process killed with SIGKILL (seen in tests/cpu/test_cpu_hangs.py's run)
+KILLED = (
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+    "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the "
+    "process was killed by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the "
+    "worker crashed unexpectedly due to SIGSEGV or another unexpected error."
+)
+
+
+def _actor_died(class_name="RewardLoopWorker", pid=4242) -> ActorDiedError:
+    context = ActorDiedErrorContext(
+        class_name=class_name, actor_id=b"\x01" * 16, pid=pid, name="reward_loop_worker_0", error_message=KILLED
+    )
+    return ActorDiedError(context)
+
+
+def _as_driver_gets_it(exc: BaseException, function: str = "TaskRunner.run") -> BaseException:
+    """``exc`` raised in an actor, as ``ray.get`` raises it in the driver: a RayTaskError that is also an instance
+    of ``exc``'s class, with Ray's traceback as its text."""
+    try:
+        raise exc
+    except BaseException as raised:
+        import traceback
+
+        wrapped = RayTaskError(function, traceback.format_exc(), raised)
+        return wrapped.as_instanceof_cause()
+
+
+@pytest.mark.parametrize(
+    ("stop", "status", "what"),
+    [
+        (RunStopped("step 2: actor/respo/clamp_frac=0.750 > run_guard.max_clamp_share=0.1"), EXIT_GUARD, "run guard"),
+        (
+            ActorDied("step 3: reward-loop worker 0 of 1 (RewardLoopWorker, pid 7) has died"),
+            EXIT_ACTOR_DIED,
+            "dead actor",
+        ),
+        (NonFinite("step 3: token_level_rewards holds non-finite values"), EXIT_GUARD, "non-finite data"),
+    ],
+)
+def test_a_stop_raised_in_the_task_runner_is_one_line_with_its_status(stop, status, what):
+    got = stop_of(_as_driver_gets_it(stop), PROG)
+    assert got.status == status
+    assert got.line == f"{PROG}: stopped ({what}, exit {status}): {stop}"
+    assert "\n" not in got.line and "Traceback" not in got.line
+
+
+def test_a_dead_actor_nobody_watched_names_its_class_pid_and_rays_cause():
+    # the TaskRunner itself died: the driver's ray.get raises Ray's ActorDiedError as such
+    got = stop_of(_actor_died("TaskRunner", 99), PROG)
+    assert got.status == EXIT_ACTOR_DIED
+    assert got.line == (
+        f"{PROG}: stopped (dead actor, exit 4): TaskRunner, pid 99 died: The actor is dead because its worker process "
+        "has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a "
+        "connection error code 2. End of file."
+    )
+
+
+def test_an_unknown_error_is_one_line_then_its_traceback():
+    got = stop_of(_as_driver_gets_it(KeyError("actor_rollout_ref")), PROG)
+    assert got.status == EXIT_ERROR
+    assert got.line == f"{PROG}: stopped (error, exit 1): KeyError: 'actor_rollout_ref' (its traceback follows)"
+
+
+def test_errors_of_a_step_become_stops_naming_the_step():
+    # a ray.get inside the step: the worker group's actor died (Ray raises ActorDiedError as such), or its loss
+    # refused non-finite values (Ray wraps the worker's error)
+    died = stop_for_error(_actor_died("WorkerDict", 5), step=4)
+    assert isinstance(died, ActorDied) and str(died).startswith("step 4: WorkerDict, pid 5 has died while the step ")
+    nan = stop_for_error(
+        _as_driver_gets_it(FloatingPointError("log_prob holds non-finite values\nmore"), "WorkerDict.update_actor"), 2
+    )
+    assert type(nan) is NonFinite and str(nan) == "step 2: FloatingPointError: log_prob holds non-finite values"
+    assert stop_for_error(ValueError("something else"), step=1) is None
+
+
+def _buffer(refill=None):
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    return ReplayBuffer("sync", {}, None, "drop", {}, poll_interval=0.0, refill_fn=refill)
+
+
+def test_the_patch_runs_the_watch_after_each_poll_and_before_each_refill_and_undoes():
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    refills, checks = [], []
+    buffer = _buffer(refill=refills.append)
+
+    class Recording(SampleWaitWatch):
+        def check(self, buffer, partition_id, failed=False):
+            checks.append((partition_id, failed))
+
+    patch = watch_replay_buffer(buffer, Recording([]))
+    assert patch.name == WATCH_PATCH_NAME and patch.tested == "0.9.1"
+    index = (Path(__file__).resolve().parents[2] / "patches" / "README.md").read_text()
+    assert f"| {WATCH_PATCH_NAME} | verl 0.9.1 |" in index  # made per run, so the index test's module scan misses it
+    patch.apply()
+    buffer._wait_for_next_poll("train", 0.0)
+    buffer.refill_fn(2)
+    assert checks == [("train", False), (None, True)] and refills == [2]
+    patch.remove()
+    assert (
+        buffer._wait_for_next_poll.__func__ is ReplayBuffer._wait_for_next_poll and buffer.refill_fn == refills.append
+    )
+    buffer._wait_for_next_poll("train", 0.0)
+    assert len(checks) == 2
