@@ -1,6 +1,7 @@
 """Registers respo-verl in verl: the ``respo``/``vespo`` policy losses, the ``respo`` advantage estimator, the
 route-drift Megatron engines, the respo-verl trainer (``trainer.v1.trainer_mode=respo_sync``) and the presets'
-OmegaConf resolvers. Registrations only, through verl's and OmegaConf's public registries; no patch.
+OmegaConf resolvers, through verl's and OmegaConf's public registries; then wraps every policy loss so that it also
+logs the method-independent starved mass share (:mod:`respo_verl.verl.starvation`, a ``Patch`` of verl's registry).
 
 Loaded three ways, so that every process of a run has the registrations:
 
@@ -25,7 +26,9 @@ from respo_verl.run import resolvers
 from respo_verl.run.trainer import REGISTRATION as TRAINER
 from respo_verl.verl import advantage as _advantage  # noqa: F401  (registers the "respo" estimator)
 from respo_verl.verl import losses as _losses  # noqa: F401  (registers a loss per kernel of core.losses.KERNELS)
+from respo_verl.verl import starvation
 
 ROUTE_DRIFT_ENGINES.apply()
 TRAINER.apply()
 resolvers.register()
+starvation.apply_unless_switched_off()  # after the losses: wraps them, and verl's vanilla and gspo

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from respo_verl.core import diagnostic_keys
+from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY
 
 KERNEL_LOSSES = ["respo", "vespo", "respo_pos", "respo_neg", "phi_one"]
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -41,12 +42,14 @@ def call(name, cfg, data, agg="token-mean", **extra):
 @pytest.mark.parametrize("name", KERNEL_LOSSES)
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_every_agg_mode_gives_a_finite_loss_and_the_same_metric_keys(configs, engine, name, agg):
-    expected = {f"actor/{name}/{k}" for k in diagnostic_keys()}
+    # The loss's own diagnostics, and the measure every loss logs (respo_verl.verl.starvation).
+    expected = {f"actor/{name}/{k}" for k in diagnostic_keys()} | {INDEPENDENT_STARVED_MASS_KEY}
     for seed in range(3):
         loss, metrics = call(name, configs[engine, name], batch(seed), agg)
         assert torch.isfinite(loss) and loss.dim() == 0
         assert set(metrics) == expected
-        assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
+        assert all(math.isfinite(float(v)) for v in metrics.values())
+        assert all(isinstance(v, float) for k, v in metrics.items() if k != INDEPENDENT_STARVED_MASS_KEY)
 
 
 @pytest.mark.parametrize("name", KERNEL_LOSSES)
@@ -112,7 +115,8 @@ def test_ablation_losses_are_registered_and_their_presets_select_them(configs):
     from respo_verl.verl import losses
 
     for name in ("respo_pos", "respo_neg", "phi_one"):
-        assert get_policy_loss_fn(name) is getattr(losses, f"compute_policy_loss_{name}")
+        # Registered, then wrapped by the starved-mass measure (respo_verl.verl.starvation).
+        assert get_policy_loss_fn(name).measured is getattr(losses, f"compute_policy_loss_{name}")
         assert configs["dp", name].policy_loss.loss_mode == name
 
 
