@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from experiments.mini import protocol
+from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY
 
 # Confidence level of every interval the miniature prints (the report's Welch intervals use the same).
 CONFIDENCE = 0.95
@@ -190,7 +191,7 @@ ABLATION_GAPS = (
 )
 
 
-STARVED_KEY = "mini/diag/starved_mass_share"
+STARVED_KEY = INDEPENDENT_STARVED_MASS_KEY
 EVAL_KEY = "mini/eval/score"
 
 

@@ -28,9 +28,7 @@ from experiments.mini import regime, tasks, verl_adapter
 from experiments.mini.rollout import Rollout, response_log_prob, response_log_prob_no_grad, sample
 from respo_verl.core import kernel_diagnostics
 from respo_verl.core.config import DEFAULT_LOG_W_CLIP
-from respo_verl.core.diagnostics import diagnostic_keys
-from respo_verl.core.kernels import sequence_log_weight
-from respo_verl.core.losses import KernelTerms
+from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY, diagnostic_keys, effective_terms
 from respo_verl.routing.hf import RoutingReplay
 
 # The sequence log-weight is clamped to ±20 by every kernel; the diagnostics use the same clamp.
@@ -158,31 +156,6 @@ def _lr_at(step: int, cfg: RunConfig) -> float:
     return cfg.lr * min(1.0, step / warmup)
 
 
-def effective_coefficient(
-    grad_log_prob: torch.Tensor, adv_seq: torch.Tensor, response_mask: torch.Tensor
-) -> torch.Tensor:
-    """Per-sequence gradient coefficient of any loss, read from ∂loss/∂log π_θ, in token-mean units.
-
-    For a loss whose gradient on token t of response i is −c_it·A_i/n (token-mean, n = valid tokens of the
-    mini-batch), this returns φ_i = n·Σ_t|g_it| / (|A_i|·n_i) = mean_t c_it: exactly the kernel φ(W_i) for ReSPO and
-    VESPO, the mean per-token weight (r_t where unclipped, 0 where clipped) for PPO-clip, and for GSPO its sequence
-    weight times its seq-mean-token-mean re-weighting by length. Sequences with A_i = 0 get 0.
-
-    Args:
-        grad_log_prob: (B, T) gradient of the loss with respect to the log-probabilities.
-        adv_seq: (B,) sequence advantages.
-        response_mask: (B, T) bool.
-
-    Returns:
-        (B,) coefficients.
-    """
-    n_tok_seq = response_mask.sum(dim=1)  # (B,)
-    mass_seq = torch.where(response_mask, grad_log_prob.abs(), 0.0).sum(dim=1)  # (B,)
-    denom = adv_seq.abs() * n_tok_seq  # (B,)
-    n_total = n_tok_seq.sum().clamp(min=1)
-    return torch.where(denom > 0, mass_seq * n_total / denom.clamp(min=1e-30), 0.0)
-
-
 def starvation_diagnostics(
     log_prob: torch.Tensor,
     grad_log_prob: torch.Tensor,
@@ -192,26 +165,16 @@ def starvation_diagnostics(
 ) -> dict[str, float]:
     """The starvation diagnostics for any algorithm, through ``respo_verl.core.kernel_diagnostics``.
 
-    φ is the effective coefficient of :func:`effective_coefficient`; the starvation mass share is then each
-    sequence's share of Σ|∂loss/∂log π_θ|, the gradient the loss actually gave it.
+    φ is the effective coefficient the loss gave each sequence (``respo_verl.core.diagnostics.effective_terms``); the
+    starved mass share is then the starved positives' share of Σ|∂loss/∂log π_θ|, the gradient the loss actually gave.
+    It is logged under the key verl's trainer logs it under for every loss (``INDEPENDENT_STARVED_MASS_KEY``), the
+    other diagnostics under ``mini/diag/``.
     """
-    with torch.no_grad():
-        log_w_seq, clamped_seq = sequence_log_weight(log_prob, old_log_prob, response_mask, LOG_W_CLIP)  # (B,), (B,)
-        n_tok_seq = response_mask.sum(dim=1)  # (B,)
-        adv_seq = torch.where(response_mask, advantages, 0.0).sum(dim=1) / n_tok_seq.clamp(min=1)  # (B,)
-        phi_seq = effective_coefficient(grad_log_prob, adv_seq, response_mask)  # (B,)
-        terms = KernelTerms(
-            loss_tok=torch.zeros_like(log_prob),
-            response_mask=response_mask,
-            log_w_seq=log_w_seq,
-            clamped_seq=clamped_seq,
-            phi_seq=phi_seq,
-            adv_seq=adv_seq,
-            n_tok_seq=n_tok_seq,
-            nonfinite_counts=torch.zeros(3),
-        )
-        values = kernel_diagnostics(terms).tolist()
-    return {f"mini/diag/{k}": v for k, v in zip(diagnostic_keys(), values, strict=True)}
+    terms = effective_terms(log_prob, grad_log_prob, old_log_prob, advantages, response_mask, LOG_W_CLIP)
+    values = kernel_diagnostics(terms).tolist()
+    out = {f"mini/diag/{k}": v for k, v in zip(diagnostic_keys(), values, strict=True)}
+    out[INDEPENDENT_STARVED_MASS_KEY] = out.pop("mini/diag/starved_mass_share")
+    return out
 
 
 def _masked_mean(values: torch.Tensor, member: torch.Tensor) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from scipy import stats as scipy_stats
 
 from respo_verl import algorithms
+from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY
 from respo_verl.tools.runs.logs import LogError, RunLog, log_step, logged_reuse
 from respo_verl.tools.runs.manifest import RunRecord
 from respo_verl.tools.runs.stats import LATE_WINDOW, SCORE_KEY, per_update, score_curve, window_stats
@@ -25,14 +26,14 @@ LR_KEY = "actor/lr"
 CONFIG_SENSITIVE_KEYS = (LR_KEY,)
 VAL_PATTERN = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
 # The starved mass share: the share of the gradient mass Σ φ_i·|A_i|·n_tokens_i held by positive responses with
-# log W < −1 (docs/method.md, "Diagnostics"), in two measures the report never mixes. INDEPENDENT: the miniature
-# logs it for every method, with φ_i the effective coefficient the loss gave sequence i (read from ∂loss/∂log π_θ;
-# experiments/mini/train.py, starvation_diagnostics). LOSS_OWN: this package's kernel losses (respo, vespo and the
-# kernel ablations) log it with their own φ, under ``actor/<loss>/``.
+# log W < −1 (docs/method.md, "Diagnostics"), in two measures the report never mixes. INDEPENDENT: every loss in
+# verl's trainer (respo_verl.verl.starvation) and in the miniature logs it under one key, with φ_i the effective
+# coefficient the loss gave sequence i (read from ∂loss/∂log π_θ; respo_verl.core.diagnostics.effective_terms).
+# LOSS_OWN: this package's kernel losses (respo, vespo and the kernel ablations) also log it with their own φ, under
+# ``actor/<loss>/``.
 INDEPENDENT = "method-independent"
 LOSS_OWN = "loss's own"
 STARVED_MASS_MEASURES = (INDEPENDENT, LOSS_OWN)
-INDEPENDENT_STARVED_MASS_KEY = "mini/diag/starved_mass_share"
 STARVED_MASS_PATTERN = re.compile(r"^actor/(?P<loss>[^/]+)/starved_mass_share$")
 # Run names without a manifest: the sweep's ``<model>-respo-n32-s0``, ``respo_n32_seed0``, and the miniature's
 # ``respo_n32_lr4e-04_w0_seed0`` (experiments/mini/train.py, RunConfig.name: learning rate and warm-start seed).

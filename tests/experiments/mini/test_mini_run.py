@@ -17,6 +17,7 @@ import torch
 from experiments.mini import model as model_lib
 from experiments.mini import protocol, regime, task, verl_adapter
 from experiments.mini.train import RunConfig, UpdateEvent, train
+from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY
 
 TIMING_KEYS = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "mini/wall_time_s")
 TINY_WARM = model_lib.WarmStart(steps=3, batch_size=16)
@@ -234,8 +235,10 @@ def test_run_calls_the_registered_loss_with_global_batch_info(base_model, tmp_pa
         data = record["data"]
         for key in ("starved_frac", "pos/frac", "pos/log_w_mean", "neg/log_w_mean"):
             assert data[f"mini/diag/{key}"] == pytest.approx(data[f"actor/respo/{key}"], abs=1e-5)
-        for key in ("starved_mass_share", "pos/phi_mean", "neg/phi_mean", "pos/ess"):
+        for key in ("pos/phi_mean", "neg/phi_mean", "pos/ess"):
             assert data[f"mini/diag/{key}"] == pytest.approx(data[f"actor/respo/{key}"], rel=1e-4, abs=1e-5)
+        own = data["actor/respo/starved_mass_share"]
+        assert data[INDEPENDENT_STARVED_MASS_KEY] == pytest.approx(own, rel=1e-4, abs=1e-5)
 
 
 def test_log_lines_are_verls_file_logger_format(base_model, tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from support.report_logs import runs_and_logs
 
 from respo_verl import algorithms
 from respo_verl.cli import main as cli_main
+from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY
 from respo_verl.tools.report.analysis import (
     INDEPENDENT,
     LOSS_OWN,
@@ -46,7 +47,7 @@ def mini_log(
         data = {"critic/score/mean": 2 * score - 1, "mini/optimizer_step": step, "mini/reuse": reuse}
         data |= {"training/global_step": (step - 1) // reuse + 1, "actor/lr": lr}
         if diag is not None:
-            data["mini/diag/starved_mass_share"] = diag[0] if step <= UPDATES // 2 else diag[1]
+            data[INDEPENDENT_STARVED_MASS_KEY] = diag[0] if step <= UPDATES // 2 else diag[1]
         if loss_own is not None:
             data[f"actor/{algorithm}/starved_mass_share"] = loss_own
         lines.append(json.dumps({"step": step, "data": data}))
@@ -94,7 +95,7 @@ def test_grpo_and_gspo_get_the_method_independent_starved_mass_next_to_their_sco
     assert "| GSPO | 8 | 0,1 | 45.00 | 10.0 | — | 45.00 | 45.00 |" in text
     assert "| VESPO | 8 | 0,1 | 50.00 | 50.0 | 45.0 |" in text
     assert "| ReSPO | 8 | 0,1 | 60.00 | 3.0 | 4.0 |" in text
-    assert "starved mass (method-independent) is `mini/diag/starved_mass_share`" in text
+    assert f"starved mass (method-independent) is `{INDEPENDENT_STARVED_MASS_KEY}`" in text
 
 
 def test_a_log_with_only_the_loss_s_own_share_shows_it_labelled_as_the_loss_s_own(tmp_path):
@@ -132,11 +133,11 @@ def test_the_starved_mass_plot_draws_the_method_independent_measure_for_every_me
 def test_a_seed_without_the_measure_is_counted_and_its_cell_left_out_of_the_gap_plot(tmp_path):
     folder = tmp_path / "logs"
     mini_log(folder, "grpo", 8, 0, score=0.6, diag=(0.2, 0.2))
-    mini_log(folder, "grpo", 8, 1, score=0.6)  # logs no mini/diag/starved_mass_share
+    mini_log(folder, "grpo", 8, 1, score=0.6)  # logs no method-independent starved mass share
     mini_log(folder, "vespo", 8, 0, score=0.5, diag=(0.4, 0.4))
     text = report(folder, tmp_path / "report", "--no-plots")
     assert "| GRPO | 8 | 0,1 | 60.00 | 20.0 (1 of 2 runs) | — |" in text
-    assert "- grpo N=8, lr 0.0004: grpo_n8_lr4e-04_w1_seed1 log no mini/diag/starved_mass_share" in text
+    assert f"- grpo N=8, lr 0.0004: grpo_n8_lr4e-04_w1_seed1 log no {INDEPENDENT_STARVED_MASS_KEY}" in text
     assert gap_points(*_runs_and_logs(folder))[0] == []
 
 
