@@ -97,7 +97,8 @@ def stop_on_sigterm(config: DictConfig) -> Path | None:
         request.touch()
         print(
             f"{PROG}: {signal.Signals(signum).name}: the trainer saves at the end of this step and "
-            f"stops ({request}); send SIGKILL to end at once",
+            f"stops ({request}), or ends without saving if the step finishes no sample for "
+            "run_guard.max_stall_after_stop_s; send SIGKILL to end at once",
             file=sys.stderr,
             flush=True,
         )

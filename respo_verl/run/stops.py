@@ -15,10 +15,12 @@ EXIT_ERROR = 1  # an error the run does not know: the one line, then its traceba
 EXIT_REFUSED = 2  # the job was refused before it started (a check of the job, the data, the machine, a node)
 EXIT_GUARD = 3  # a run guard on a step's metrics or data (failed samples, a collapsed policy, non-finite values)
 EXIT_ACTOR_DIED = 4  # a process the step waits on died (a Ray actor: worker, server, reward worker, ...)
+EXIT_STALLED = 5  # the watchdog: no sample finished and no update for run_guard.max_stall_s
+EXIT_STALLED_AFTER_STOP = 6  # SIGTERM arrived and the step then made no progress for run_guard.max_stall_after_stop_s
 
 # Ray's error text for a dead actor goes on with advice about every possible cause; the line keeps what happened.
 _RAY_ADVICE = re.compile(r"\s*(Some common causes include|There are some potential root causes|Check the).*", re.S)
-MAX_CAUSE_CHARS = 300  # a cause longer than this is cut: the line must stay one line a person reads
+MAX_CAUSE_CHARS = 600  # a cause longer than this is cut: the line must stay one line a person reads
 
 
 class RunStopped(RuntimeError):
@@ -39,6 +41,21 @@ class ActorDied(RunStopped):
 
     exit_status = EXIT_ACTOR_DIED
     what = "dead actor"
+
+
+class StepStalled(RunStopped):
+    """The step made no progress for the watchdog's bound; the message names the step, what it waited for, the
+    bound."""
+
+    exit_status = EXIT_STALLED
+    what = "watchdog"
+
+
+class StalledAfterStop(StepStalled):
+    """SIGTERM arrived while the step waited, and it then made no progress for the shorter bound."""
+
+    exit_status = EXIT_STALLED_AFTER_STOP
+    what = "watchdog after SIGTERM"
 
 
 @dataclass(frozen=True)

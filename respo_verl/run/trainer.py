@@ -27,8 +27,10 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
   run; non-finite rewards (the advantage computation) and log-probs (the loss) stop it naming the step.
 - **a watch over the waits verl would never end.** While verl's replay buffer waits for a step's samples (it polls
   with no timeout), the actors the step waits on are checked for life (:func:`watched_actors`: agent-loop and
-  reward-loop workers, rollout servers and their load balancer; :class:`SampleWaitWatch`); a dead actor that a
-  ``ray.get`` of the step meets is named with its step too (:func:`stop_for_error`).
+  reward-loop workers, rollout servers and their load balancer), and a step in which no sample finishes for
+  ``run_guard.max_stall_s`` (``max_stall_after_stop_s`` once SIGTERM has asked for a stop) is stopped
+  (:class:`SampleWaitWatch`); a dead actor that a ``ray.get`` of the step meets is named with its step too
+  (:func:`stop_for_error`).
 
 Every stop is a :class:`respo_verl.run.stops.RunStopped`, whose class gives the entry point its one line and exit
 status (:mod:`respo_verl.run.stops`).
@@ -49,6 +51,8 @@ from respo_verl.run.stops import (
     ActorDied,
     NonFinite,
     RunStopped,
+    StalledAfterStop,
+    StepStalled,
     actor_died_cause,
 )
 
@@ -75,7 +79,7 @@ WORKER_CHECK_INTERVAL_S = 10.0
 # A live actor answers its readiness call at once unless its event loop is blocked; longer counts as alive.
 WORKER_READY_TIMEOUT_S = 5.0
 
-__all__ = ["ActorDied", "GuardConfig", "NonFinite", "RunStopped", "StepGuards"]
+__all__ = ["ActorDied", "GuardConfig", "NonFinite", "RunStopped", "StalledAfterStop", "StepGuards", "StepStalled"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,10 @@ class GuardConfig:
         max_clamp_share: the largest share of sequences with log W at the clamp (±log_w_clip) tolerated in a step.
         min_entropy: entropy below this counts as collapsed ...
         collapse_steps: ... when, in as many consecutive steps, no group carries a signal (all advantages 0).
+        max_stall_s: the watchdog: a step in which no sample finished for this long while it waited for its samples
+            (counted from the step's start, the last finished sample, or the last update) stops the run.
+        max_stall_after_stop_s: the same, once SIGTERM has asked the run to stop: the shorter bound within which a
+            stalled step ends the run without saving (a step that makes progress still saves at its end).
     """
 
     enable: bool = True
@@ -96,6 +104,8 @@ class GuardConfig:
     max_clamp_share: float = 0.1
     min_entropy: float = 1.0e-3
     collapse_steps: int = 3
+    max_stall_s: float = 3600.0
+    max_stall_after_stop_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("max_failed_share", "max_clamp_share"):
@@ -106,6 +116,9 @@ class GuardConfig:
             raise ValueError(f"run_guard.min_entropy={self.min_entropy} must be >= 0")
         if int(self.collapse_steps) < 1:
             raise ValueError(f"run_guard.collapse_steps={self.collapse_steps} must be >= 1")
+        for name in ("max_stall_s", "max_stall_after_stop_s"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"run_guard.{name}={getattr(self, name)} must be > 0 (seconds)")
 
     @classmethod
     def from_config(cls, node: Any) -> GuardConfig:
@@ -248,22 +261,73 @@ def stop_for_error(exc: BaseException, step: int) -> RunStopped | None:
 class SampleWaitWatch:
     """What the respo-verl trainer checks while verl's replay buffer waits for a step's samples (verl 0.9.1 polls
     with no timeout): the actors the step waits on are alive (:func:`check_actors_alive`, every
-    :data:`WORKER_CHECK_INTERVAL_S` and after every failed sample)."""
+    :data:`WORKER_CHECK_INTERVAL_S` and after every failed sample), and the step makes progress: a sample it had not
+    seen finished, within ``run_guard.max_stall_s`` of the step's start, of the last such sample or of the last
+    update (``run_guard.max_stall_after_stop_s`` once a stop is requested, counted from the request at the
+    earliest). ``buffer`` is verl's replay buffer; its ``partitions`` hold the finished samples by key.
+    """
 
-    def __init__(self, actors: list[tuple[str, list]], clock: Callable[[], float] = time.monotonic) -> None:
-        self.actors, self.clock = actors, clock
+    def __init__(
+        self,
+        guard: GuardConfig,
+        actors: list[tuple[str, list]],
+        stop_requested: Callable[[], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.guard, self.actors, self.stop_requested, self.clock = guard, actors, stop_requested, clock
         self.step = 0
+        self._seen: set[tuple[str, str]] = set()
+        self._progress_at = clock()
+        self._stop_at: float | None = None
         self._next_liveness = clock() + WORKER_CHECK_INTERVAL_S
 
     def progressed(self, step: int) -> None:
-        """A step began."""
+        """A step began, or an update ended: the watchdog's clock starts again."""
+        if step != self.step:
+            self._seen.clear()
         self.step = step
+        self._progress_at = self.clock()
 
     def check(self, buffer: Any, partition_id: str | None, failed: bool = False) -> None:
+        now = self.clock()
+        partitions = [partition_id] if partition_id is not None else list(buffer.partitions)
+        for pid in partitions:
+            new = {(pid, key) for key in buffer.partitions[pid]} - self._seen
+            if new:
+                self._seen |= new
+                self._progress_at = now
         waiting_for = f"its {'validation' if partition_id == 'val' else 'train'} samples"
-        if failed or self.clock() >= self._next_liveness:
+        if failed or now >= self._next_liveness:
             check_actors_alive(self.actors, self.step, waiting_for)
             self._next_liveness = self.clock() + WORKER_CHECK_INTERVAL_S
+        if self._stop_at is None and self.stop_requested():
+            self._stop_at = now
+        stalled = now - self._progress_at
+        if (
+            self._stop_at is not None
+            and now - max(self._progress_at, self._stop_at) > self.guard.max_stall_after_stop_s
+        ):
+            raise StalledAfterStop(
+                f"step {self.step}: stop requested (SIGTERM) while the step waited for {waiting_for}, and no sample "
+                f"finished for {now - max(self._progress_at, self._stop_at):.0f} s after it "
+                f"({self._state(buffer, partition_id)}) > run_guard.max_stall_after_stop_s="
+                f"{self.guard.max_stall_after_stop_s:g}: ended without saving step {self.step} (its update has not "
+                "run); a relaunch resumes from the last checkpoint"
+            )
+        if stalled > self.guard.max_stall_s:
+            raise StepStalled(
+                f"step {self.step}: no sample finished for {stalled:.0f} s while the step waited for {waiting_for} "
+                f"({self._state(buffer, partition_id)}) > run_guard.max_stall_s={self.guard.max_stall_s:g}"
+            )
+
+    def _state(self, buffer: Any, partition_id: str | None) -> str:
+        pid = partition_id or "train"
+        counts = {
+            name: len(getattr(buffer, f"{name}_keys", {}).get(pid, ()))
+            for name in ("pending", "running", "finished", "failure")
+        }
+        groups = ", ".join(f"{count} {name}" for name, count in counts.items())
+        return f"prompt groups: {groups}; {len(self._seen)} samples finished in this step"
 
 
 def watch_replay_buffer(buffer: Any, watch: SampleWaitWatch) -> Patch:
@@ -371,11 +435,12 @@ def _trainer_class() -> type:
             self.logger.log = log_then_mark
 
         def _watch_sample_waits(self) -> None:
-            """While the replay buffer waits for a step's samples, watch the actors the step waits on
-            (:class:`SampleWaitWatch`); not with ``run_guard.enable=false``."""
+            """While the replay buffer waits for a step's samples, watch the actors the step waits on and the
+            step's progress (:class:`SampleWaitWatch`); not with ``run_guard.enable=false``."""
             if not self._guards.config.enable:
                 return
-            self._watch = SampleWaitWatch(watched_actors(self))
+            request = checkpoint.stop_request(self.config)
+            self._watch = SampleWaitWatch(self._guards.config, watched_actors(self), request.is_file)
             self._watch.progressed(self.global_steps)
             self._watch_patch = watch_replay_buffer(self.replay_buffer, self._watch)
             self._watch_patch.apply()
@@ -428,6 +493,8 @@ def _trainer_class() -> type:
 
         def on_step_end(self):
             super().on_step_end()
+            if getattr(self, "_watch", None) is not None:
+                self._watch.progressed(self.global_steps)  # the update has run
             request = checkpoint.stop_request(self.config)
             if request.is_file() and self.global_steps < self.total_training_steps:
                 if getattr(self, "_saved_step", None) != self.global_steps:

@@ -1,8 +1,9 @@
 """Runs that would hang for ever stop, end to end on CPU: ``python -m respo_verl.main_ppo algorithm=respo +device=cpu``.
 
 Real subprocesses of our entry point, as in test_cpu_stops.py: the run's reward worker killed between steps (the
-liveness watch of the actors a step waits on). verl 0.9.1 would wait for ever: its replay buffer polls for the
-step's samples with no timeout. About 80 s on a 2-core machine with other jobs.
+liveness watch of the actors a step waits on), and a reward function that never returns (the step-progress
+watchdog). verl 0.9.1 would wait for ever in both: its replay buffer polls for the step's samples with no timeout.
+About 80 s and 100 s on a 2-core machine with other jobs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from support import cpu_runs
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit
-from respo_verl.run.stops import EXIT_ACTOR_DIED
+from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_STALLED
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +68,28 @@ def test_the_runs_reward_worker_killed_mid_run_stops_the_run_within_a_minute(kit
     assert "The actor is dead because its worker process has died" in cause, cause
     assert seconds < 60, f"the driver ended {seconds:.0f} s after the kill"
     print(f"reward worker pid {pid} killed; driver exit {rc} after {seconds:.1f} s: {found[0]}")
+
+
+def test_a_step_whose_reward_never_returns_is_stopped_by_the_watchdog(kit, tmp_path):
+    """Every reward call blocks for good (tests/support/cpu_modules/stalling_reward.py): every process lives and
+    answers Ray, no sample of step 1 ever finishes, and verl would wait for ever; the watchdog stops the run once
+    no sample has finished for run_guard.max_stall_s (20 s here; the CPU preset's 60 s)."""
+    command = cpu_runs.command(
+        tmp_path / "ckpt",
+        2,
+        2,
+        "trainer.save_freq=-1",
+        f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'stalling_reward.py'}",
+        "run_guard.max_stall_s=20",
+    )
+    rc, out = cpu_runs.launch(tmp_path, command, timeout=420)
+    assert rc == EXIT_STALLED, out[-4000:]
+    assert "stalling_reward: the test's reward function never returns" in out, out[-4000:]
+    found = cpu_runs.stop_line(
+        out,
+        rf"\(watchdog, exit {EXIT_STALLED}\): step 1: no sample finished for (\d+) s while the step waited for its "
+        r"train samples \(prompt groups: .*; 0 samples finished in this step\) > run_guard.max_stall_s=20",
+    )
+    assert 20 <= int(found[1]) <= 35, found[0]
+    assert cpu_runs.logged_steps(tmp_path / "log.jsonl") == []
+    print(found[0])

@@ -2,7 +2,8 @@
 respo-verl trainer keeps over verl's replay buffer while a step waits for its samples.
 
 Ray's own exception classes wrap the stops as the driver receives them; the watch runs on verl 0.9.1's real
-``ReplayBuffer``. End to end (a killed reward worker): tests/cpu/test_cpu_hangs.py.
+``ReplayBuffer`` with a clock the test moves. End to end (a killed reward worker, a reward that never returns):
+tests/cpu/test_cpu_stops.py.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from respo_verl.run.stops import (
     EXIT_ACTOR_DIED,
     EXIT_ERROR,
     EXIT_GUARD,
+    EXIT_STALLED,
+    EXIT_STALLED_AFTER_STOP,
     ActorDied,
     NonFinite,
     RunStopped,
+    StalledAfterStop,
+    StepStalled,
     stop_of,
 )
-from respo_verl.run.trainer import WATCH_PATCH_NAME, SampleWaitWatch, stop_for_error, watch_replay_buffer
+from respo_verl.run.trainer import WATCH_PATCH_NAME, GuardConfig, SampleWaitWatch, stop_for_error, watch_replay_buffer
 
 PROG = "respo_verl.main_ppo"
 # Ray 2.60's reason for a worker process killed with SIGKILL (seen in tests/cpu/test_cpu_hangs.py's run)
@@ -63,6 +68,8 @@ def _as_driver_gets_it(exc: BaseException, function: str = "TaskRunner.run") -> 
             "dead actor",
         ),
         (NonFinite("step 3: token_level_rewards holds non-finite values"), EXIT_GUARD, "non-finite data"),
+        (StepStalled("step 1: no sample finished for 61 s"), EXIT_STALLED, "watchdog"),
+        (StalledAfterStop("step 1: stop requested (SIGTERM)"), EXIT_STALLED_AFTER_STOP, "watchdog after SIGTERM"),
     ],
 )
 def test_a_stop_raised_in_the_task_runner_is_one_line_with_its_status(stop, status, what):
@@ -101,10 +108,75 @@ def test_errors_of_a_step_become_stops_naming_the_step():
     assert stop_for_error(ValueError("something else"), step=1) is None
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _buffer(refill=None):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
     return ReplayBuffer("sync", {}, None, "drop", {}, poll_interval=0.0, refill_fn=refill)
+
+
+def _watch(clock, stop=lambda: False, **guard):
+    return SampleWaitWatch(GuardConfig(**guard), actors=[], stop_requested=stop, clock=clock)
+
+
+def test_the_watchdog_stops_a_step_that_finishes_no_sample_for_its_bound():
+    clock, buffer = Clock(), _buffer()
+    watch = _watch(clock, max_stall_s=60)
+    watch.progressed(3)
+    buffer.running_keys["train"].update({"uid-a", "uid-b"})
+    clock.now += 59
+    watch.check(buffer, "train")
+    buffer.partitions["train"]["uid-a_0_0"] = {"status": "success"}  # a sample finished: the clock starts again
+    clock.now += 59
+    watch.check(buffer, "train")
+    clock.now += 59
+    watch.check(buffer, "train")
+    clock.now += 2
+    with pytest.raises(StepStalled) as stalled:
+        watch.check(buffer, "train")
+    assert str(stalled.value) == (
+        "step 3: no sample finished for 61 s while the step waited for its train samples (prompt groups: 0 pending, "
+        "2 running, 0 finished, 0 failure; 1 samples finished in this step) > run_guard.max_stall_s=60"
+    )
+    watch.progressed(4)  # the next step (or an update) starts the clock again
+    watch.check(buffer, "train")
+
+
+def test_after_sigterm_a_stalled_step_stops_within_the_shorter_bound():
+    clock, buffer = Clock(), _buffer()
+    requested = []
+    watch = _watch(clock, stop=lambda: bool(requested), max_stall_s=3600, max_stall_after_stop_s=10)
+    watch.progressed(2)
+    clock.now += 500
+    watch.check(buffer, "train")
+    requested.append(True)  # SIGTERM: counted from the request, not from the stall's start
+    watch.check(buffer, "train")
+    clock.now += 10
+    watch.check(buffer, "train")
+    clock.now += 1
+    with pytest.raises(
+        StalledAfterStop,
+        match=r"^step 2: stop requested \(SIGTERM\) .* for 11 s after it .*"
+        r"run_guard.max_stall_after_stop_s=10: ended without saving step 2",
+    ):
+        watch.check(buffer, "train")
+
+
+def test_after_sigterm_a_step_that_makes_progress_goes_on_to_save():
+    clock, buffer = Clock(), _buffer()
+    watch = _watch(clock, stop=lambda: True, max_stall_after_stop_s=10)
+    watch.progressed(1)
+    for index in range(5):
+        clock.now += 9
+        buffer.partitions["train"][f"uid_{index}_0"] = {}
+        watch.check(buffer, "train")
 
 
 def test_the_patch_runs_the_watch_after_each_poll_and_before_each_refill_and_undoes():
@@ -117,7 +189,7 @@ def test_the_patch_runs_the_watch_after_each_poll_and_before_each_refill_and_und
         def check(self, buffer, partition_id, failed=False):
             checks.append((partition_id, failed))
 
-    patch = watch_replay_buffer(buffer, Recording([]))
+    patch = watch_replay_buffer(buffer, Recording(GuardConfig(), [], lambda: False))
     assert patch.name == WATCH_PATCH_NAME and patch.tested == "0.9.1"
     index = (Path(__file__).resolve().parents[2] / "patches" / "README.md").read_text()
     assert f"| {WATCH_PATCH_NAME} | verl 0.9.1 |" in index  # made per run, so the index test's module scan misses it
@@ -131,3 +203,21 @@ def test_the_patch_runs_the_watch_after_each_poll_and_before_each_refill_and_und
     )
     buffer._wait_for_next_poll("train", 0.0)
     assert len(checks) == 2
+
+
+@pytest.mark.parametrize(("key", "value"), [("max_stall_s", 0), ("max_stall_after_stop_s", -1)])
+def test_the_watchdog_bounds_must_be_positive(key, value):
+    with pytest.raises(ValueError, match=rf"run_guard.{key}={value} must be > 0"):
+        GuardConfig(**{key: value})
+
+
+def test_the_presets_bounds_are_the_config_classes_defaults_and_the_cpu_presets_small_ones():
+    from omegaconf import OmegaConf
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    shared = GuardConfig.from_config(OmegaConf.load(configs / "respo_verl" / "run_guard.yaml").run_guard)
+    assert shared == GuardConfig() and shared.max_stall_s == 3600
+    for preset in ("cpu", "cpu_megatron"):
+        node = OmegaConf.load(configs / "device" / f"{preset}.yaml").run_guard
+        cpu = GuardConfig.from_config({**OmegaConf.to_container(node)})
+        assert (cpu.max_stall_s, cpu.max_stall_after_stop_s) == (60, 10), preset
