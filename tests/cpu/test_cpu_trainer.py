@@ -24,6 +24,7 @@ from support.trainer_checks import ON_POLICY_LOG_W, assert_trains, assert_weight
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
+from respo_verl.run.stops import EXIT_GUARD
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +114,12 @@ def test_negative_controls_stale_server_weights_and_on_policy_log_w(kit, tmp_pat
 def test_nonfinite_log_probs_stop_the_run_with_the_loss_error(kit, tmp_path):
     overrides = ["algorithm=respo", "+device=cpu", *_job("respo", 2, 2), *_extra_modules("inject_nonfinite")]
     proc, lines = run_main_ppo(tmp_path, "respo_verl.main_ppo", overrides)
-    assert proc.returncode != 0
-    assert "FloatingPointError" in proc.stdout + proc.stderr, _tail(proc)
-    assert "non-finite" in proc.stdout + proc.stderr, _tail(proc)
+    assert proc.returncode == EXIT_GUARD, _tail(proc)
+    # one line naming the step and the loss's refusal, and no traceback after it
+    stop = [line for line in proc.stderr.splitlines() if line.startswith("respo_verl.main_ppo: stopped ")]
+    assert len(stop) == 1 and stop[0].startswith(
+        "respo_verl.main_ppo: stopped (non-finite data, exit 3): step 1: FloatingPointError: respo loss received "
+        "non-finite values on valid response tokens"
+    ), _tail(proc)
+    assert "Traceback" not in proc.stderr[proc.stderr.index(stop[0]) :], _tail(proc)
     assert lines == []  # no step was logged: the run did not train on
