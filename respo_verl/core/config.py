@@ -8,7 +8,7 @@ config is built (in verl: in the driver's ``validate_config`` and again in every
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 # Both papers clamp the sequence log-weight to ±20 so that exp() stays finite in fp32 (e^20 ≈ 4.9e8).
 DEFAULT_LOG_W_CLIP = 20.0
@@ -36,6 +36,35 @@ def _check_rollout_is_level(owner: str, value: object) -> str:
 
 
 @dataclass(frozen=True)
+class Range:
+    """The values a kernel hyperparameter may take: ``low`` (included unless ``low_open``) up to ``high`` (included)."""
+
+    low: float
+    low_open: bool = False
+    high: float | None = None
+
+    def check(self, owner: str, key: str, value: float) -> None:
+        below = value <= self.low if self.low_open else value < self.low
+        if below or (self.high is not None and value > self.high):
+            raise ValueError(f"{owner}.{key} must be {self}, got {value}")
+
+    def __str__(self) -> str:
+        if self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        return f"{'>' if self.low_open else '>='} {self.low:g}"
+
+
+AT_LEAST_ONE = Range(1.0)
+NON_NEGATIVE = Range(0.0)
+POSITIVE = Range(0.0, low_open=True)
+UNIT_INTERVAL = Range(0.0, low_open=True, high=1.0)  # (0, 1]
+
+
+def _param(default: float, allowed: Range) -> float:
+    return field(default=default, metadata={"range": allowed})
+
+
+@dataclass(frozen=True)
 class KernelBranch:
     """One branch φ(W; α, β, λ) of the ReSPO kernel family (arXiv 2609.35433; docs/method.md, "Family")."""
 
@@ -45,7 +74,23 @@ class KernelBranch:
 
 
 @dataclass
-class ReSPOConfig:
+class _KernelConfig:
+    """What every kernel config does at construction: each number checked against its field's :class:`Range`, and
+    ``rollout_is_level`` against :data:`ROLLOUT_IS_LEVELS`, naming the key that is wrong."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for f in fields(self):
+            if f.name == "rollout_is_level":
+                object.__setattr__(self, f.name, _check_rollout_is_level(owner, getattr(self, f.name)))
+                continue
+            value = _check_number(owner, f.name, getattr(self, f.name))
+            f.metadata["range"].check(owner, f.name, value)
+            object.__setattr__(self, f.name, value)
+
+
+@dataclass
+class ReSPOConfig(_KernelConfig):
     """ReSPO kernel hyperparameters (arXiv 2609.35433, published defaults).
 
     The positive branch (A ≥ 0) defaults to α=2, β=0.5, λ=2, i.e. φ+(W) = ((1+W)/2)·exp(1−W); the negative branch
@@ -59,32 +104,14 @@ class ReSPOConfig:
             logs are summed) or ``sequence`` (one weight broadcast over the tokens, taken once). null means token.
     """
 
-    alpha_pos: float = 2.0
-    beta_pos: float = 0.5
-    lambda_pos: float = 2.0
-    alpha_neg: float = 1.0
-    beta_neg: float = 0.5
-    lambda_neg: float = 2.0
-    log_w_clip: float = DEFAULT_LOG_W_CLIP
+    alpha_pos: float = _param(2.0, AT_LEAST_ONE)
+    beta_pos: float = _param(0.5, UNIT_INTERVAL)
+    lambda_pos: float = _param(2.0, NON_NEGATIVE)
+    alpha_neg: float = _param(1.0, AT_LEAST_ONE)
+    beta_neg: float = _param(0.5, UNIT_INTERVAL)
+    lambda_neg: float = _param(2.0, NON_NEGATIVE)
+    log_w_clip: float = _param(DEFAULT_LOG_W_CLIP, POSITIVE)
     rollout_is_level: str | None = "token"
-
-    def __post_init__(self) -> None:
-        owner = type(self).__name__
-        for f in fields(self):
-            if f.name == "rollout_is_level":
-                object.__setattr__(self, f.name, _check_rollout_is_level(owner, self.rollout_is_level))
-                continue
-            object.__setattr__(self, f.name, _check_number(owner, f.name, getattr(self, f.name)))
-        for side in ("pos", "neg"):
-            alpha, beta, lam = (getattr(self, f"{p}_{side}") for p in ("alpha", "beta", "lambda"))
-            if alpha < 1.0:
-                raise ValueError(f"{owner}.alpha_{side} must be >= 1, got {alpha}")
-            if not 0.0 < beta <= 1.0:
-                raise ValueError(f"{owner}.beta_{side} must be in (0, 1], got {beta}")
-            if lam < 0.0:
-                raise ValueError(f"{owner}.lambda_{side} must be >= 0, got {lam}")
-        if self.log_w_clip <= 0.0:
-            raise ValueError(f"{owner}.log_w_clip must be > 0, got {self.log_w_clip}")
 
     @property
     def positive(self) -> KernelBranch:
@@ -96,7 +123,7 @@ class ReSPOConfig:
 
 
 @dataclass
-class VESPOConfig:
+class VESPOConfig(_KernelConfig):
     """VESPO kernel hyperparameters (arXiv 2602.10693): φ(W) = W^k · exp(λ(1 − W)) per branch.
 
     Attributes:
@@ -106,22 +133,14 @@ class VESPOConfig:
         rollout_is_level: as in :class:`ReSPOConfig`.
     """
 
-    k_pos: float = 2.0
-    lambda_pos: float = 3.0
-    k_neg: float = 3.0
-    lambda_neg: float = 2.0
-    log_w_clip: float = DEFAULT_LOG_W_CLIP
+    k_pos: float = _param(2.0, NON_NEGATIVE)
+    lambda_pos: float = _param(3.0, NON_NEGATIVE)
+    k_neg: float = _param(3.0, NON_NEGATIVE)
+    lambda_neg: float = _param(2.0, NON_NEGATIVE)
+    log_w_clip: float = _param(DEFAULT_LOG_W_CLIP, POSITIVE)
     rollout_is_level: str | None = "token"
 
-    def __post_init__(self) -> None:
-        owner = type(self).__name__
-        for f in fields(self):
-            if f.name == "rollout_is_level":
-                object.__setattr__(self, f.name, _check_rollout_is_level(owner, self.rollout_is_level))
-                continue
-            value = _check_number(owner, f.name, getattr(self, f.name))
-            object.__setattr__(self, f.name, value)
-            if f.name != "log_w_clip" and value < 0.0:
-                raise ValueError(f"{owner}.{f.name} must be >= 0, got {value}")
-        if self.log_w_clip <= 0.0:
-            raise ValueError(f"{owner}.log_w_clip must be > 0, got {self.log_w_clip}")
+
+# The kernel hyperparameter blocks, by their key under ``actor_rollout_ref.actor.policy_loss.<key>``: the one list
+# that the verl config class, the job checks and the losses (respo_verl.core.losses.KERNELS, ``blocks``) read.
+CONFIG_BLOCKS: dict[str, type[_KernelConfig]] = {"respo": ReSPOConfig, "vespo": VESPOConfig}

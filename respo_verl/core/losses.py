@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from respo_verl.core.config import ReSPOConfig, VESPOConfig
+from respo_verl.core.config import CONFIG_BLOCKS, ReSPOConfig, VESPOConfig
 from respo_verl.core.kernels import (
     HybridConfig,
     phi_one,
@@ -127,30 +127,61 @@ def _sequence_advantage(advantages: torch.Tensor, mask: torch.Tensor) -> tuple[t
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One kernel family: its config class, its φ, and how its log W is formed.
+    """One kernel loss: its φ, the config blocks it reads, how its log W is formed, and what it is.
 
     Attributes:
-        config_class: the config the kernel reads (any other object is refused, never read as this one).
         phi: ``phi(log_w_seq, positive_seq, config) -> (B,)``.
+        blocks: the hyperparameter blocks it reads, keys of :data:`respo_verl.core.config.CONFIG_BLOCKS` (under
+            ``actor_rollout_ref.actor.policy_loss.<block>``): one block gives that block's config, two a
+            :class:`HybridConfig` of both (ReSPO's, then VESPO's).
         clamp_token_log_ratio: clamp every token log-ratio to ±``log_w_clip`` before summing (VESPO does).
+        doc: what the loss is, for its registered function's docstring.
     """
 
-    config_class: type
     phi: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+    blocks: tuple[str, ...]
     clamp_token_log_ratio: bool
+    doc: str
+
+    @property
+    def config_class(self) -> type:
+        """The config the kernel reads (any other object is refused, never read as this one)."""
+        return HybridConfig if len(self.blocks) == 2 else CONFIG_BLOCKS[self.blocks[0]]
 
 
-# The kernel families, by verl loss name. The ablation kernels (docs/method.md, "Branch ablation"): the hybrids form
-# log W VESPO's way (token clamp), so that each differs from VESPO in one branch only; phi_one forms it ReSPO's way,
-# for its diagnostics only (φ ≡ 1 does not read it).
+# The kernel losses, by verl loss name: the one table that the registered losses, the plugin's list and the
+# preflight's check derive from (docs/method.md, "Adding a kernel").
+# The ablation kernels (docs/method.md, "Branch ablation"): the hybrids form log W VESPO's way (token clamp), so that
+# each differs from VESPO in one branch only; phi_one forms it ReSPO's way, for its diagnostics only (φ ≡ 1 does not
+# read it).
 KERNELS = {
-    "respo": KernelSpec(ReSPOConfig, respo_phi, clamp_token_log_ratio=False),
-    "vespo": KernelSpec(VESPOConfig, vespo_phi, clamp_token_log_ratio=True),
-    "respo_pos": KernelSpec(HybridConfig, respo_pos_phi, clamp_token_log_ratio=True),
-    "respo_neg": KernelSpec(HybridConfig, respo_neg_phi, clamp_token_log_ratio=True),
-    "phi_one": KernelSpec(ReSPOConfig, phi_one, clamp_token_log_ratio=False),
-}
-ABLATION_KERNELS = ("respo_pos", "respo_neg", "phi_one")
+    "respo": KernelSpec(
+        respo_phi, ("respo",), clamp_token_log_ratio=False,
+        doc="ReSPO policy loss (arXiv 2609.35433): φ is the two-branch ReSPO kernel (``docs/method.md, \"ReSPO "
+        "kernels\"``) of the clamped sequence weight W_i, chosen by the sign of the sequence advantage; "
+        "hyperparameters from ``config.policy_loss.respo``.",
+    ),
+    "vespo": KernelSpec(
+        vespo_phi, ("vespo",), clamp_token_log_ratio=True,
+        doc="VESPO policy loss (arXiv 2602.10693), the baseline: φ(W) = W^k·exp(λ(1−W)) per branch; hyperparameters "
+        "from ``config.policy_loss.vespo``.",
+    ),
+    "respo_pos": KernelSpec(
+        respo_pos_phi, ("respo", "vespo"), clamp_token_log_ratio=True,
+        doc="Branch ablation: ReSPO's positive kernel (``policy_loss.respo``) with VESPO's negative kernel "
+        "(``policy_loss.vespo``); log W formed as VESPO forms it (token log-ratios clamped to ±C, then the sum).",
+    ),
+    "respo_neg": KernelSpec(
+        respo_neg_phi, ("respo", "vespo"), clamp_token_log_ratio=True,
+        doc="Branch ablation: VESPO's positive kernel (``policy_loss.vespo``) with ReSPO's negative kernel "
+        "(``policy_loss.respo``); log W formed as VESPO forms it.",
+    ),
+    "phi_one": KernelSpec(
+        phi_one, ("respo",), clamp_token_log_ratio=False,
+        doc="Branch ablation: φ ≡ 1, the uncorrected sequence-level policy gradient ℓ_it = −A_it·log π_θ(o_it); "
+        "log W (ReSPO's formation, ``policy_loss.respo``) only feeds the diagnostics.",
+    ),
+}  # fmt: skip
 
 
 def _kernel_terms(

@@ -11,8 +11,6 @@ import sys
 from typing import Any
 
 POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
-# Kernel hyperparameter nodes of the respo / vespo presets -> their config class in respo_verl.core.config.
-KERNEL_NODES = {"respo": "ReSPOConfig", "vespo": "VESPOConfig"}
 ROUTER_REPLAY_MODE = "actor_rollout_ref.actor.megatron.router_replay.mode"
 ROUTING_ENGINE = "megatron"  # verl 0.9.1 replays routes on its Megatron engine only
 MODEL_PATH = "actor_rollout_ref.model.path"
@@ -118,10 +116,10 @@ def _check_reuse(cfg: Any) -> None:
 def _check_kernel_hyperparameters(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
-    from respo_verl.core import config as kernel_config
+    from respo_verl.core.config import CONFIG_BLOCKS
 
-    for loss, class_name in KERNEL_NODES.items():
-        path = f"{POLICY_LOSS}.{loss}"
+    for block, cls in CONFIG_BLOCKS.items():
+        path = f"{POLICY_LOSS}.{block}"
         node = OmegaConf.select(cfg, path, default=None)
         if node is None:
             continue
@@ -132,7 +130,6 @@ def _check_kernel_hyperparameters(cfg: Any) -> None:
         if not isinstance(values, dict):
             raise ValueError(f"{path} must be a mapping of kernel hyperparameters, got {values!r}")
         values.pop("_target_", None)
-        cls = getattr(kernel_config, class_name)
         try:
             cls(**values)
         except (TypeError, ValueError) as exc:

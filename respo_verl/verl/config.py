@@ -14,7 +14,7 @@ from typing import Any
 
 from verl.workers.config import PolicyLossConfig
 
-from respo_verl.core.config import ReSPOConfig, VESPOConfig
+from respo_verl.core.config import CONFIG_BLOCKS, ReSPOConfig, VESPOConfig
 
 
 def _as_kernel_config(value: Any, cls: type, key: str) -> Any:
@@ -43,8 +43,8 @@ class ReSPOPolicyLossConfig(PolicyLossConfig):
 
     def __post_init__(self) -> None:
         # BaseConfig freezes assigned fields; normalising a mapping into the dataclass is part of construction.
-        object.__setattr__(self, "respo", _as_kernel_config(self.respo, ReSPOConfig, "respo"))
-        object.__setattr__(self, "vespo", _as_kernel_config(self.vespo, VESPOConfig, "vespo"))
+        for block, cls in CONFIG_BLOCKS.items():  # a field per block (tests/verl/test_configs.py checks)
+            object.__setattr__(self, block, _as_kernel_config(getattr(self, block), cls, block))
         from respo_verl.run.preflight import require_policy_loss
         from respo_verl.verl import plugin  # noqa: F401  (registers the losses in this process)
 

@@ -1,5 +1,6 @@
-"""The ``respo`` and ``vespo`` policy losses, and the branch-ablation losses ``respo_pos``, ``respo_neg`` and
-``phi_one`` (docs/method.md, "Branch ablation"), registered in verl's policy-loss registry.
+"""A policy loss in verl's registry for every kernel of :data:`respo_verl.core.losses.KERNELS`: ``respo`` and
+``vespo``, and the branch-ablation losses ``respo_pos``, ``respo_neg`` and ``phi_one``
+(docs/method.md, "Branch ablation").
 
 verl's ``ppo_loss`` (every engine: FSDP, Megatron, ...) calls them by keyword with padded (B, T) tensors and the
 whole actor config. They normalise only through verl's ``agg_loss`` with ``config.global_batch_info``, so the
@@ -17,21 +18,17 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 from respo_verl.core import diagnostic_keys, kernel_diagnostics, raise_on_nonfinite
-from respo_verl.core.config import ReSPOConfig, VESPOConfig
+from respo_verl.core.config import CONFIG_BLOCKS, ReSPOConfig, VESPOConfig
 from respo_verl.core.kernels import HybridConfig
-from respo_verl.core.losses import ABLATION_KERNELS, KernelTerms, kernel_terms
+from respo_verl.core.losses import KERNELS, KernelTerms, kernel_terms
 
-METRIC_PREFIX = {name: f"actor/{name}/" for name in ("respo", "vespo", *ABLATION_KERNELS)}
+METRIC_PREFIX = {name: f"actor/{name}/" for name in KERNELS}
 # When set (in the workers' environment, e.g. through Ray's runtime env), every call appends its sequences' log W, φ,
 # advantage and token count to this JSON-lines file (suffixed with the process's RANK): the demo's figure of the φ
 # each stale positive received. One extra host copy per call; off by default.
 TRACE_ENV = "RESPO_VERL_KERNEL_TRACE"
 
 
-# Kernel blocks each loss reads from ``config.policy_loss``.
-_BLOCKS = {"respo": ("respo",), "vespo": ("vespo",), "respo_pos": ("respo", "vespo"), "respo_neg": ("respo", "vespo"),
-           "phi_one": ("respo",)}  # fmt: skip
-_KERNEL_CONFIGS = {"respo": ReSPOConfig, "vespo": VESPOConfig}
 _ANNOUNCED: set[str] = set()  # losses whose paper-default fallback this process has announced
 
 
@@ -49,13 +46,13 @@ def _kernel_config(
     ``policy_loss`` that does not select this loss at all.
     """
     policy_loss = getattr(config, "policy_loss", None) if config is not None else None
-    blocks = _BLOCKS[loss_name]
+    blocks = KERNELS[loss_name].blocks
     found = [getattr(policy_loss, block, None) for block in blocks]
     fix = (
         f"actor_rollout_ref.actor.policy_loss._target_=respo_verl.verl.config.ReSPOPolicyLossConfig (set by "
         f"+algorithm={loss_name})"
     )
-    if not all(isinstance(value, _KERNEL_CONFIGS[block]) for block, value in zip(blocks, found)):
+    if not all(isinstance(value, CONFIG_BLOCKS[block]) for block, value in zip(blocks, found)):
         selected = getattr(policy_loss, "loss_mode", None) == loss_name and not any(found)
         if not selected:
             got = type(policy_loss).__name__
@@ -65,7 +62,7 @@ def _kernel_config(
                 f"loss_mode={loss_name!r} with rollout-IS weights needs {fix}: verl's PolicyLossConfig cannot say "
                 f"whether they are per token or per sequence (policy_loss.{blocks[0]}.rollout_is_level)"
             )
-        found = [_KERNEL_CONFIGS[block]() for block in blocks]
+        found = [CONFIG_BLOCKS[block]() for block in blocks]
         if loss_name not in _ANNOUNCED:
             _ANNOUNCED.add(loss_name)
             print(
@@ -162,29 +159,5 @@ def _register(loss_name: str, doc: str):
     return register_policy_loss(loss_name)(compute_policy_loss)
 
 
-compute_policy_loss_respo = _register(
-    "respo",
-    """ReSPO policy loss (arXiv 2609.35433): φ is the two-branch ReSPO kernel (``docs/method.md, "ReSPO kernels"``)
-    of the clamped sequence weight W_i, chosen by the sign of the sequence advantage; hyperparameters from
-    ``config.policy_loss.respo``.""",
-)
-compute_policy_loss_vespo = _register(
-    "vespo",
-    """VESPO policy loss (arXiv 2602.10693), the baseline: φ(W) = W^k·exp(λ(1−W)) per branch; hyperparameters from
-    ``config.policy_loss.vespo``.""",
-)
-compute_policy_loss_respo_pos = _register(
-    "respo_pos",
-    """Branch ablation: ReSPO's positive kernel (``policy_loss.respo``) with VESPO's negative kernel
-    (``policy_loss.vespo``); log W formed as VESPO forms it (token log-ratios clamped to ±C, then the sum).""",
-)
-compute_policy_loss_respo_neg = _register(
-    "respo_neg",
-    """Branch ablation: VESPO's positive kernel (``policy_loss.vespo``) with ReSPO's negative kernel
-    (``policy_loss.respo``); log W formed as VESPO forms it.""",
-)
-compute_policy_loss_phi_one = _register(
-    "phi_one",
-    """Branch ablation: φ ≡ 1, the uncorrected sequence-level policy gradient ℓ_it = −A_it·log π_θ(o_it); log W
-    (ReSPO's formation, ``policy_loss.respo``) only feeds the diagnostics.""",
-)
+# name -> the function registered in verl under that name.
+REGISTERED = {name: _register(name, spec.doc) for name, spec in KERNELS.items()}

@@ -20,10 +20,11 @@ import torch
 from conftest import CPU_COMPOSE_OVERRIDES, actor_config, compose
 
 from respo_verl.core.config import ReSPOConfig
+from respo_verl.core.losses import KERNELS
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
 from respo_verl.entry_points import CPU_MODULE
 
-KERNEL_LOSSES = ["respo", "vespo", "respo_pos", "respo_neg", "phi_one"]
+KERNEL_LOSSES = list(KERNELS)
 FIX = "actor_rollout_ref.actor.policy_loss._target_=respo_verl.verl.config.ReSPOPolicyLossConfig"
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 from support.entry import run_entry
 
+from respo_verl import algorithms
 from respo_verl.run.compose import compose_job
 from respo_verl.run.jobcheck import check_job
 
@@ -147,8 +148,7 @@ def test_a_local_cuda_job_on_a_machine_without_cuda_is_refused_before_ray(tmp_pa
     [
         (
             "algorithm=respoo",
-            "algorithm=respoo: no such option of algorithm (one of respo, vespo, grpo, gspo, respo_pos, respo_neg, "
-            "phi_one, grpo_noclip)",
+            f"algorithm=respoo: no such option of algorithm (one of {', '.join(algorithms.NAMES)})",
         ),
         ("+cluster=qwen3_30b", "cluster=qwen3_30b: no such option of cluster (one of qwen3_1p7b_h100_1x8, "),
         ("routing=r4", "routing=r4: no such option of routing (one of off, r2, r3)"),

@@ -16,7 +16,8 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 from verl.workers.config import FSDPActorConfig, McoreActorConfig
 
-from respo_verl.core.config import ReSPOConfig, VESPOConfig
+from respo_verl.core.config import CONFIG_BLOCKS, ReSPOConfig, VESPOConfig
+from respo_verl.core.losses import KERNELS
 from respo_verl.entry_points import PLUGIN_MODULE
 from respo_verl.verl.config import ReSPOPolicyLossConfig
 
@@ -34,7 +35,7 @@ EXPECTED = {
     "phi_one": ("phi_one", "token-mean", "respo", None, None),
     "grpo_noclip": ("vanilla", "token-mean", "grpo", 1.0, 1.0e9),
 }
-KERNEL_LOSSES = ("respo", "vespo", "respo_pos", "respo_neg", "phi_one")
+KERNEL_LOSSES = tuple(KERNELS)
 ACTOR_CLASS = {"dp": FSDPActorConfig, "megatron": McoreActorConfig}
 
 
@@ -88,10 +89,8 @@ def test_our_entry_point_defaults_to_respo():
 
 @pytest.mark.parametrize(
     "preset, block, cls",
-    [("respo", "respo", ReSPOConfig), ("vespo", "vespo", VESPOConfig), ("phi_one", "respo", ReSPOConfig)]
-    + [(hybrid, block, cls) for hybrid in ("respo_pos", "respo_neg")
-       for block, cls in (("respo", ReSPOConfig), ("vespo", VESPOConfig))],
-)  # fmt: skip
+    [(name, block, CONFIG_BLOCKS[block]) for name, spec in KERNELS.items() for block in spec.blocks],
+)
 def test_yaml_defaults_equal_dataclass_defaults(preset, block, cls):
     node = OmegaConf.load(CONF_DIR / "algorithm" / f"{preset}.yaml").actor_rollout_ref.actor.policy_loss
     yaml_values = {k: v for k, v in OmegaConf.to_container(node[block]).items() if k != "_target_"}
@@ -99,6 +98,15 @@ def test_yaml_defaults_equal_dataclass_defaults(preset, block, cls):
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "rollout_is_level"}
     assert yaml_values == defaults
     assert node[block]["_target_"] == f"{cls.__module__}.{cls.__name__}"
+
+
+def test_the_verl_config_class_has_a_field_per_kernel_block():
+    """Adding a block to respo_verl.core.config.CONFIG_BLOCKS needs its field here (the presets set it by name)."""
+    from respo_verl.verl.config import ReSPOPolicyLossConfig
+
+    fields = {f.name: f for f in dataclasses.fields(ReSPOPolicyLossConfig)}
+    for block, cls in CONFIG_BLOCKS.items():
+        assert block in fields and fields[block].type in (cls, cls.__name__), block
 
 
 @pytest.mark.parametrize("algorithm", ["respo", "vespo"])

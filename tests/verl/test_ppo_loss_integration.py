@@ -25,9 +25,10 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 
 from respo_verl.core import diagnostic_keys, respo_phi
+from respo_verl.core.losses import KERNELS
 from respo_verl.verl.losses import METRIC_PREFIX
 
-LOSSES = ("respo", "vespo", "respo_pos", "respo_neg", "phi_one")
+LOSSES = tuple(KERNELS)
 # Every mode of verl's agg_loss, each with the loss_scale_factor it is used with (None: verl's default).
 AGG_MODES = (
     ("token-mean", None),

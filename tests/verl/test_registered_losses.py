@@ -14,8 +14,9 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from respo_verl.core import diagnostic_keys
 from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY
+from respo_verl.core.losses import KERNELS
 
-KERNEL_LOSSES = ["respo", "vespo", "respo_pos", "respo_neg", "phi_one"]
+KERNEL_LOSSES = list(KERNELS)
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -116,7 +117,7 @@ def test_ablation_losses_are_registered_and_their_presets_select_them(configs):
 
     for name in ("respo_pos", "respo_neg", "phi_one"):
         # Registered, then wrapped by the starved-mass measure (respo_verl.verl.starvation).
-        assert get_policy_loss_fn(name).measured is getattr(losses, f"compute_policy_loss_{name}")
+        assert get_policy_loss_fn(name).measured is losses.REGISTERED[name]
         assert configs["dp", name].policy_loss.loss_mode == name
 
 
