@@ -73,7 +73,7 @@ def test_the_runs_reward_worker_killed_mid_run_stops_the_run_within_a_minute(kit
 def test_a_step_whose_reward_never_returns_is_stopped_by_the_watchdog(kit, tmp_path):
     """Every reward call blocks for good (tests/support/cpu_modules/stalling_reward.py): every process lives and
     answers Ray, no sample of step 1 ever finishes, and verl would wait for ever; the watchdog stops the run once
-    no sample has finished for run_guard.max_stall_s (5 s here, to keep the test short; the CPU preset's 60 s)."""
+    no sample has finished for run_guard.max_stall_s (5 s here, to keep the test short; the CPU preset's 300 s)."""
     command = cpu_runs.command(
         tmp_path / "ckpt",
         2,
