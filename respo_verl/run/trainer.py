@@ -356,6 +356,30 @@ def watch_replay_buffer(buffer: Any, watch: SampleWaitWatch) -> Patch:
 
 
 WATCH_PATCH_NAME = "watched waits of verl's replay buffer"
+HOOKS_PATCH_NAME = "respo-verl trainer's logger and sampler hooks"
+
+
+def trainer_hooks(logger: Any, after_log: Any, buffer: Any, reorder: Any) -> Patch:
+    """The patch of the two verl objects one run's trainer holds (verl 0.9.1's ``Tracking`` and ``ReplayBuffer``):
+    ``logger.log`` calls ``after_log(step)`` once a step's line is logged (the checkpoint marker waits for it), and
+    ``buffer.sample`` returns its train batches through ``reorder`` (the data loader's order). Public methods of
+    verl's objects, replaced on these two instances only."""
+
+    def install(patch: Patch) -> None:
+        log, sample = logger.log, buffer.sample
+
+        def log_then_mark(*args, **kwargs):
+            log(*args, **kwargs)
+            after_log(kwargs.get("step", args[1] if len(args) > 1 else None))
+
+        def sample_in_order(*args, **kwargs):
+            batch, metrics = sample(*args, **kwargs)
+            return (reorder(batch) if batch.partition_id == "train" else batch), metrics
+
+        patch.replace(logger, "log", log_then_mark, "marks a saved step's checkpoint once the step's line is logged")
+        patch.replace(buffer, "sample", sample_in_order, "train batches in the data loader's order")
+
+    return Patch(HOOKS_PATCH_NAME, "verl", "0.9.1", install)
 
 
 def in_prompt_order(batch, prompt_order: dict[str, int]):
@@ -425,14 +449,9 @@ def _trainer_class() -> type:
         def on_train_begin(self):
             super().on_train_begin()
             self._watch_sample_waits()
-            self._sample_in_prompt_order()
-            log = self.logger.log  # verl's Tracking, built by fit() before this hook
-
-            def log_then_mark(*args, **kwargs):
-                log(*args, **kwargs)
-                self._mark_saved_step(kwargs.get("step", args[1] if len(args) > 1 else None))
-
-            self.logger.log = log_then_mark
+            # verl's Tracking and ReplayBuffer, built by fit() before this hook.
+            self._hooks = trainer_hooks(self.logger, self._mark_saved_step, self.replay_buffer, self._in_prompt_order)
+            self._hooks.apply()
 
         def _watch_sample_waits(self) -> None:
             """While the replay buffer waits for a step's samples, watch the actors the step waits on and the
@@ -461,20 +480,12 @@ def _trainer_class() -> type:
                     raise
                 raise stop from None
 
-        def _sample_in_prompt_order(self) -> None:
-            """The replay buffer's train batches in the data loader's order (:func:`in_prompt_order`)."""
-            sample = self.replay_buffer.sample
-
-            def sample_in_order(*args, **kwargs):
-                batch, metrics = sample(*args, **kwargs)
-                if batch.partition_id != "train":
-                    return batch, metrics
-                ordered = in_prompt_order(batch, self._prompt_order)
-                for key in ordered.keys:  # a prompt is sampled once: forget it (the run may last days)
-                    self._prompt_order.pop(key.split("_")[0], None)
-                return ordered, metrics
-
-            self.replay_buffer.sample = sample_in_order
+        def _in_prompt_order(self, batch):
+            """A train batch of the replay buffer in the data loader's order (:func:`in_prompt_order`)."""
+            ordered = in_prompt_order(batch, self._prompt_order)
+            for key in ordered.keys:  # a prompt is sampled once: forget it (the run may last days)
+                self._prompt_order.pop(key.split("_")[0], None)
+            return ordered
 
         def _save_checkpoint(self):
             super()._save_checkpoint()

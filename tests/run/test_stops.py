@@ -221,3 +221,33 @@ def test_the_presets_bounds_are_the_config_classes_defaults_and_the_cpu_presets_
         node = OmegaConf.load(configs / "device" / f"{preset}.yaml").run_guard
         cpu = GuardConfig.from_config({**OmegaConf.to_container(node)})
         assert (cpu.max_stall_s, cpu.max_stall_after_stop_s) == (300, 60), preset
+
+
+def test_the_trainers_logger_and_sampler_hooks_act_and_undo(capsys):
+    """verl's own Tracking (console) and ReplayBuffer instances. The buffer's ``sample`` needs TransferQueue data, so
+    the test first gives the instance a stand-in ``sample`` returning a train and a validation batch; the patch wraps
+    whatever ``sample`` the instance has, as it wraps verl's in a run."""
+    from types import SimpleNamespace
+
+    from verl.utils.tracking import Tracking
+
+    from respo_verl.run.trainer import HOOKS_PATCH_NAME, trainer_hooks
+
+    logger, buffer = Tracking("p", "e", default_backend="console"), _buffer()
+    batches = iter([SimpleNamespace(partition_id="train", keys=["b", "a"]), SimpleNamespace(partition_id="val")])
+    buffer.sample = lambda *args, **kwargs: (next(batches), {})
+    logged, reordered = [], []
+    patch = trainer_hooks(logger, logged.append, buffer, lambda batch: reordered.append(batch) or "in order")
+    assert patch.name == HOOKS_PATCH_NAME and patch.tested == "0.9.1"
+    index = (Path(__file__).resolve().parents[2] / "patches" / "README.md").read_text()
+    assert f"| {HOOKS_PATCH_NAME} | verl 0.9.1 |" in index  # made per run, so the index test's module scan misses it
+    stand_in = buffer.sample
+    patch.apply()
+    logger.log(data={"x": 1.0}, step=3)
+    assert logged == [3] and "x:1.0" in capsys.readouterr().out.replace(" ", "")
+    assert buffer.sample(1, "train", 2)[0] == "in order" and len(reordered) == 1
+    assert buffer.sample(1, "val", 2)[0].partition_id == "val" and len(reordered) == 1  # only train batches
+    patch.remove()
+    assert buffer.sample is stand_in and logger.log.__func__ is Tracking.log
+    logger.log(data={"x": 2.0}, step=4)
+    assert logged == [3]
