@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup lint test test-fast bench demo demo-quick demo-mini demo-moe clean
+.PHONY: setup lint test test-fast bench compare demo demo-quick demo-mini demo-moe clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,16 @@ test-fast: setup
 
 bench: setup
 	$(PY) scripts/bench/losses.py
+
+# The comparison workflow end to end on this CPU (docs/comparing.md, "A real sweep on a CPU"): respo-verl sweep runs
+# {ReSPO, VESPO} x N in {4, 16} x seeds {0, 1} through verl's trainer on the chain task (32 optimizer updates of
+# 2 prompts each), then respo-verl report over the folder. Run again, it skips the finished runs.
+COMPARE_OUT ?= runs/compare
+compare: setup
+	$(VENV)/bin/respo-verl sweep --algos respo,vespo --reuse 4,16 --seeds 0,1 --mini-batch 2 --optimizer-steps 32 \
+		--model cpu-chain --out $(COMPARE_OUT) -- +device=cpu +task=cpu_chain
+	$(VENV)/bin/respo-verl report $(COMPARE_OUT) --out $(COMPARE_OUT)/report
+	@echo "report: $(COMPARE_OUT)/report/report.md"
 
 # The problem ReSPO solves, in verl's own trainer on this CPU: the chain task's long correct answers at rollout reuse
 # N = 16, ReSPO then VESPO (python -m respo_verl.main_ppo algorithm=<a> +device=cpu +task=cpu_chain), one line per
