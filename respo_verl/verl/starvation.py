@@ -69,14 +69,14 @@ def measured(loss_fn: Callable) -> Callable:
             metrics = {**metrics, INDEPENDENT_STARVED_MASS_KEY: starved_mass_share(terms)}
         return pg_loss, metrics
 
-    compute_policy_loss.measured = loss_fn  # the loss as registered before
+    compute_policy_loss.unmeasured = loss_fn  # the loss as it was registered before
     return compute_policy_loss
 
 
 def _install(patch: Patch) -> None:
     for name in MEASURED_LOSSES:
         loss_fn = POLICY_LOSS_REGISTRY.get(name)
-        if loss_fn is None or hasattr(loss_fn, "measured"):
+        if loss_fn is None or hasattr(loss_fn, "unmeasured"):
             continue
         register_policy_loss(name)(measured(loss_fn))  # verl's registry takes a name again, and keeps the last
         patch.on_remove(

@@ -117,7 +117,7 @@ def test_ablation_losses_are_registered_and_their_presets_select_them(configs):
 
     for name in ("respo_pos", "respo_neg", "phi_one"):
         # Registered, then wrapped by the starved-mass measure (respo_verl.verl.starvation).
-        assert get_policy_loss_fn(name).measured is losses.REGISTERED[name]
+        assert get_policy_loss_fn(name).unmeasured is losses.REGISTERED[name]
         assert configs["dp", name].policy_loss.loss_mode == name
 
 

@@ -87,14 +87,14 @@ def test_no_measure_without_a_gradient_and_the_patch_undoes():
         _, metrics, _ = _call("vanilla", "grpo", log_ratio, adv_seq, mask)
     assert INDEPENDENT_STARVED_MASS_KEY not in metrics
     wrapped = {name: get_policy_loss_fn(name) for name in MEASURED_LOSSES}
-    assert all(hasattr(fn, "measured") for fn in wrapped.values())
+    assert all(hasattr(fn, "unmeasured") for fn in wrapped.values())
     MEASURE.remove()
     try:
         for name, fn in wrapped.items():
-            assert get_policy_loss_fn(name) is fn.measured
+            assert get_policy_loss_fn(name) is fn.unmeasured
         _, metrics, _ = _call("vanilla", "grpo", log_ratio, adv_seq, mask)
         assert INDEPENDENT_STARVED_MASS_KEY not in metrics
     finally:
         MEASURE.apply()
     assert get_policy_loss_fn("vanilla") is not wrapped["vanilla"]  # wrapped again, by a new wrapper
-    assert hasattr(get_policy_loss_fn("vanilla"), "measured")
+    assert hasattr(get_policy_loss_fn("vanilla"), "unmeasured")
