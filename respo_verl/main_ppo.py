@@ -26,6 +26,7 @@ from respo_verl.entry_points import CONFIG_PACKAGE, PRIMARY_CONFIG
 from respo_verl.run import launch
 from respo_verl.run.datacheck import DataCheckError
 from respo_verl.run.jobcheck import MachineCheckError, ModelCheckError, check_job
+from respo_verl.run.stops import EXIT_REFUSED
 
 ENTRY = "respo"  # respo_verl.run.compose.ENTRY_CONFIGS key of this entry point
 
@@ -72,14 +73,14 @@ def _precheck(argv: list[str]) -> None:
             f"respo_verl.main_ppo: {group}={option}: no such option of {group} (one of {', '.join(options)})",
             file=sys.stderr,
         )
-        sys.exit(2)
+        sys.exit(EXIT_REFUSED)
     if not args.cfg:
         return
     try:
         check(config)
     except ValueError as exc:
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_REFUSED)
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_PACKAGE}", config_name=PRIMARY_CONFIG, version_base=None)
@@ -88,12 +89,12 @@ def _hydra_main(config: DictConfig) -> None:
         check(config)
     except ValueError as exc:  # a job that cannot run: one line, before Ray starts
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_REFUSED)
     try:
         run(config)
     except (DataCheckError, MachineCheckError, ModelCheckError) as exc:  # raised before Ray starts
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_REFUSED)
 
 
 def main(argv: list[str] | None = None) -> None:

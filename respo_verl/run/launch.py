@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from respo_verl.run.datacheck import check_data
 from respo_verl.run.jobcheck import check_machine, check_model
-from respo_verl.run.stops import EXIT_ERROR, stop_of
+from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
 
 PROG = "respo_verl.main_ppo"  # how the run's own lines name it
 _WATCHDOG = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
@@ -43,7 +43,7 @@ def with_driver_hooks(runner_cls, config: DictConfig):
             check_ray_nodes(requirements=job_requirements(config))
         except RuntimeError as exc:  # check_ray_nodes raises RuntimeError only for a failed preflight
             print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            raise SystemExit(EXIT_REFUSED) from None
         stop_on_sigterm(config)
 
     class _HookedTaskRunner:
