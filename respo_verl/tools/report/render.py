@@ -129,8 +129,8 @@ STARVED_MASS_LEGEND = (
     "starved mass: the share of the gradient mass Σ φ·|A|·tokens held by positive responses with log W < −1 (%), "
     'mean over the run\'s optimizer updates, mean over the seeds that log it ("k of n runs" when not all do), in '
     f"two measures kept in separate columns: {STARVED_MASS_COLUMNS[INDEPENDENT]} is `{INDEPENDENT_STARVED_MASS_KEY}`, "
-    "logged by the miniature for every method with φ the effective coefficient the loss gave each sequence (read "
-    f"from its gradient); {STARVED_MASS_COLUMNS[LOSS_OWN]} is `actor/<loss>/starved_mass_share`, logged by the "
+    "logged for every loss (in verl's trainer and in the miniature) with φ the effective coefficient the loss gave "
+    f"each sequence (read from its gradient); {STARVED_MASS_COLUMNS[LOSS_OWN]} is `actor/<loss>/starved_mass_share`, logged by the "
     "kernel losses (respo, vespo and the kernel ablations) with their own φ"
 )
 
