@@ -130,8 +130,9 @@ STARVED_MASS_LEGEND = (
     'mean over the run\'s optimizer updates, mean over the seeds that log it ("k of n runs" when not all do), in '
     f"two measures kept in separate columns: {STARVED_MASS_COLUMNS[INDEPENDENT]} is `{INDEPENDENT_STARVED_MASS_KEY}`, "
     "logged for every loss (in verl's trainer and in the miniature) with φ the effective coefficient the loss gave "
-    f"each sequence (read from its gradient); {STARVED_MASS_COLUMNS[LOSS_OWN]} is `actor/<loss>/starved_mass_share`, logged by the "
-    "kernel losses (respo, vespo and the kernel ablations) with their own φ"
+    f"each sequence (read from its gradient); {STARVED_MASS_COLUMNS[LOSS_OWN]} is "
+    "`actor/<loss>/starved_mass_share`, logged by the kernel losses (respo, vespo and the kernel ablations) with "
+    "their own φ"
 )
 
 
