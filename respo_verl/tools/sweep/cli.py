@@ -149,6 +149,8 @@ def main(argv: list[str]) -> int:
     if args.ray:
         try:
             outcomes = run_on_ray(records, args.out, client, wait=not args.no_wait)
+        except ClusterError as exc:  # e.g. a head whose job agent never came up
+            return _error(str(exc))
         except KeyboardInterrupt:
             print("respo-verl sweep: stopped waiting; the jobs go on (the same command waits for them again)",
                   file=sys.stderr)  # fmt: skip

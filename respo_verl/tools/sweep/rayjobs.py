@@ -26,12 +26,17 @@ from pathlib import Path
 from respo_verl.tools.runs.manifest import RunRecord
 from respo_verl.tools.sweep.local import TAIL_LINES, TAIL_WIDTH, logged_steps, output_path
 from respo_verl.tools.sweep.progress import SweepProgress
-from respo_verl.tools.sweep.runner import Outcome, Status, is_complete, shell_line
+from respo_verl.tools.sweep.runner import ClusterError, Outcome, Status, is_complete, shell_line
 
 RUN_KEY = "respo_verl_run"  # job metadata: the run's name
 OUT_KEY = "respo_verl_out"  # job metadata: the sweep's folder (resolved), so sweeps sharing a cluster stay apart
 ACTIVE = ("PENDING", "RUNNING")
 POLL_S = 5.0
+# A head that has just started answers on its dashboard before its job agent is up, and refuses a submission with
+# "No available agent to submit job, please try again later": the sweep tries again for this long.
+NO_AGENT = "No available agent to submit job"
+AGENT_WAIT_S = 120.0
+AGENT_RETRY_S = 2.0
 
 
 def _status(job) -> str:
@@ -82,7 +87,8 @@ def submit_runs(records: list[RunRecord], out_dir: Path, client) -> tuple[list[O
             continue
         wanted = submission_id(record, out_dir, len(jobs) + 1)
         try:
-            job_id = client.submit_job(
+            job_id = _submit(
+                client,
                 entrypoint=shell_line(record),
                 submission_id=wanted,
                 metadata={RUN_KEY: record.name, OUT_KEY: _folder(out_dir)},
@@ -96,6 +102,22 @@ def submit_runs(records: list[RunRecord], out_dir: Path, client) -> tuple[list[O
             outcomes.append(Outcome(record.name, Status.SUBMITTED, f"submitted as job {job_id}"))
         job_ids[record.name] = job_id
     return outcomes, job_ids
+
+
+def _submit(client, wait_s: float = AGENT_WAIT_S, **job) -> str:
+    """``client.submit_job(**job)``, tried again while the head has no job agent yet (for up to ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as exc:
+            if NO_AGENT not in str(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"the Ray head had no job agent for {wait_s:.0f} s (is its dashboard agent running?): {exc}"
+                ) from exc
+        time.sleep(AGENT_RETRY_S)
 
 
 def _save_output(client, record: RunRecord, out_dir: Path, job_id: str) -> tuple[Path, str]:
