@@ -2,10 +2,12 @@
 
 Real subprocesses of our entry point with verl's V1 trainer (the respo-verl trainer registered in it), Ray, FSDP2 on
 gloo and the hf_cpu rollout server; nothing is mocked. Against one uninterrupted run of the command (shared by the
-module, and itself the check that ReSPO trains with rollout reuse through our entry point): a run walked through a
-pre-emption notice (SIGTERM to the driver), its relaunch, and a relaunch of another configuration into the same
-folder; a run whose driver is killed with SIGKILL after its periodic checkpoint of step 2, whose Ray processes must
-then be gone within the reaper's bound, and its relaunch. The runs that a fault stops are in test_cpu_stops.py.
+module, and itself the check that ReSPO trains with rollout reuse through our entry point), one run of the same
+command taken through both pre-emptions a cluster deals out, shared by the two tests that read it: a pre-emption
+notice (SIGTERM to the driver), then a relaunch whose driver is killed with SIGKILL after the periodic checkpoint of
+step 3 (its Ray processes must be gone within the reaper's bound), then the relaunch that ends the run; and a
+relaunch of another configuration into the same folder, refused. The runs that a fault stops are in
+test_cpu_stops.py.
 
 The runs use verl's ``rollout.full_determinism``: the CPU rollout server then samples each request from (seed, step,
 request id), the trainer orders each step's samples by the data loader, and two fresh runs log the same metrics: the
@@ -139,44 +141,6 @@ def _assert_resumed_exactly(run: Path, reference: Path, resumed_from: int) -> No
             assert torch_equal(resumed_weights[name][key], tensor), (name, key)
 
 
-def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_refused(uninterrupted, tmp_path):
-    folder = tmp_path / "ckpt"
-    # save_freq 3: the checkpoint at step 2 exists only because the pre-emption notice asked for it
-    command = cpu_runs.command(folder, REUSE, 4, "trainer.save_freq=3", DETERMINISTIC)
-
-    rc, out = cpu_runs.launch(tmp_path, command, sigterm_after_step=1)
-    assert rc == 0, out[-4000:]
-    assert "SIGTERM: the trainer saves at the end of this step" in out
-    stopped = max(cpu_runs.logged_steps(tmp_path / "log.jsonl"))
-    assert stopped in (1, 2), out[-4000:]  # the step the notice arrived in, or the next one
-    assert f"stop requested ({folder / 'STOP'}): saved global_step_{stopped}, ending the run" in out
-    assert (folder / f"global_step_{stopped}" / MARKER).is_file()
-    assert (folder / TRACKER).read_text().strip() == str(stopped)
-    assert not (folder / "STOP").exists()
-
-    rc, out = cpu_runs.launch(tmp_path, command)
-    assert rc == 0, out[-4000:]
-    assert f"global_step_{stopped}" in out and "Resuming from" in out, out[-4000:]
-    log = read_log(tmp_path / "log.jsonl")
-    assert log.attempts == 2 and log.complete_through(4), (log.steps, log.continuity)
-    assert log.continuity == [] and log.steps == [1, 2, 3, 4]
-    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [line.get("event") for line in lines] == [None] * stopped + ["resume"] + [None] * (4 - stopped)
-    assert (folder / "global_step_4" / MARKER).is_file()
-
-    _assert_resumed_exactly(tmp_path, uninterrupted, stopped)
-
-    # Another configuration (N = 1) launched into the same folder: refused before Ray starts, naming both. The
-    # refusal needs no process of its own: the entry point runs in this one (Ray is not started when it refuses).
-    refused = _refused_in_process(tmp_path, cpu_runs.command(folder, 1, 4, "trainer.save_freq=3"))
-    out = refused.stdout + refused.stderr
-    assert refused.returncode == 2, out[-4000:]
-    assert f"global_step_4 belongs to another run (respo N={REUSE}" in out and "this run is respo N=1" in out
-    assert f"data.train_batch_size: {2 * REUSE} -> 2" in out
-    assert "TaskRunner" not in out
-    assert len(cpu_runs.logged_steps(tmp_path / "log.jsonl")) == 4  # nothing ran
-
-
 def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float = 600) -> dict:
     """Run ``command`` and SIGKILL its driver as soon as ``marker`` exists; then wait up to the reaper's bound for
     every process of the driver's tree (recorded with psutil right before the kill: Ray's GCS, raylet, agents and
@@ -236,35 +200,108 @@ def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float
     }
 
 
-def test_sigkill_after_a_periodic_checkpoint_ray_is_gone_and_the_relaunch_resumes_exactly(uninterrupted, tmp_path):
-    """The driver killed with SIGKILL once global_step_2 is complete (save_freq 1): no process of its Ray session is
-    left after the reaper's bound, the relaunch resumes from the newest complete checkpoint, the log holds steps 1-4
-    once each (a step the killed attempt logged after its checkpoint is logged again and counted once), and every
-    metric and the final weights equal the uninterrupted run's (which saved every third step: saving changes
-    nothing)."""
-    folder = tmp_path / "ckpt"
-    command = cpu_runs.command(folder, REUSE, 4, "trainer.save_freq=1", DETERMINISTIC)
-    killed = _kill_after(tmp_path, command, folder / "global_step_2" / MARKER)
+@pytest.fixture(scope="module")
+def preempted(uninterrupted, tmp_path_factory) -> dict:
+    """One run of the reference's command (save_freq 3) taken through both pre-emptions, as a cluster would:
+
+    1. SIGTERM to the driver once step 1 is logged: the trainer saves at the end of its step and ends (exit 0);
+    2. the relaunch resumes from that checkpoint, and its driver is killed with SIGKILL as soon as the periodic
+       checkpoint of step 3 is complete;
+    3. the relaunch resumes from the newest complete checkpoint and ends the run.
+
+    Each attempt's outcome is kept for the tests below; an attempt that fails fails them all with its own output."""
+    run = tmp_path_factory.mktemp("preempted")
+    folder = run / "ckpt"
+    command = cpu_runs.command(folder, REUSE, 4, "trainer.save_freq=3", DETERMINISTIC)
+    result: dict = {"run": run, "folder": folder, "command": command}
+
+    rc, out = cpu_runs.launch(run, command, sigterm_after_step=1)
+    if rc != 0:
+        pytest.fail(f"attempt 1 (SIGTERM after step 1) ended with {rc}:\n{out[-4000:]}", pytrace=False)
+    result["sigterm"] = {
+        "out": out,
+        "steps": cpu_runs.logged_steps(run / "log.jsonl"),
+        "complete": sorted(p.parent.name for p in folder.glob(f"global_step_*/{MARKER}")),
+        "tracker": (folder / TRACKER).read_text().strip() if (folder / TRACKER).is_file() else None,
+        "stop_file_left": (folder / "STOP").exists(),
+    }
+    killed = _kill_after(run, command, folder / "global_step_3" / MARKER)
+    if "Resuming from" not in killed["out"]:
+        pytest.fail(f"attempt 2 (relaunch, SIGKILL after step 3's checkpoint):\n{killed['out'][-4000:]}", pytrace=False)
+    result["sigkill"] = killed
+    result["before_last"] = cpu_runs.logged_steps(run / "log.jsonl")
+    result["resumed_from"] = max(int(p.parent.name.split("_")[-1]) for p in folder.glob(f"global_step_*/{MARKER}"))
+    rc, out = cpu_runs.launch(run, command)
+    if rc != 0:
+        pytest.fail(f"attempt 3 (relaunch after SIGKILL) ended with {rc}:\n{out[-4000:]}", pytrace=False)
+    result["last"] = out
+    return result
+
+
+def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_refused(preempted, uninterrupted):
+    folder, sigterm = preempted["folder"], preempted["sigterm"]
+    # save_freq 3: the checkpoint at step 1 or 2 exists only because the pre-emption notice asked for it
+    out = sigterm["out"]
+    assert "SIGTERM: the trainer saves at the end of this step" in out
+    stopped = max(sigterm["steps"])
+    assert stopped in (1, 2), out[-4000:]  # the step the notice arrived in, or the next one
+    assert sigterm["steps"] == list(range(1, stopped + 1)), sigterm["steps"]
+    assert f"stop requested ({folder / 'STOP'}): saved global_step_{stopped}, ending the run" in out
+    assert sigterm["complete"] == [f"global_step_{stopped}"] and sigterm["tracker"] == str(stopped)
+    assert not sigterm["stop_file_left"]
+
+    # the relaunch resumed from that checkpoint (then was killed: test_sigkill_... below)
+    relaunch = preempted["sigkill"]["out"]
+    assert f"global_step_{stopped}" in relaunch and "Resuming from" in relaunch, relaunch[-4000:]
+    run = preempted["run"]
+    log = read_log(run / "log.jsonl")
+    assert log.attempts == 3 and log.complete_through(4), (log.steps, log.continuity)
+    assert log.continuity == [] and log.steps == [1, 2, 3, 4]
+    lines = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    second = [s for s in preempted["before_last"] if s > stopped]
+    events = [line.get("step", line.get("event")) for line in lines]
+    resumed_from = preempted["resumed_from"]
+    assert events == [*range(1, stopped + 1), "resume", *second, "resume", *range(resumed_from + 1, 5)], events
+    assert (folder / "global_step_4" / MARKER).is_file()
+
+    # every step's metrics and the final weights are the uninterrupted run's, through both resumptions
+    _assert_resumed_exactly(run, uninterrupted, stopped)
+
+    # Another configuration (N = 1) launched into the same folder: refused before Ray starts, naming both. The
+    # refusal needs no process of its own: the entry point runs in this one (Ray is not started when it refuses).
+    logged = (run / "log.jsonl").read_text()
+    refused = _refused_in_process(run, cpu_runs.command(folder, 1, 4, "trainer.save_freq=3"))
+    out = refused.stdout + refused.stderr
+    assert refused.returncode == 2, out[-4000:]
+    assert f"global_step_4 belongs to another run (respo N={REUSE}" in out and "this run is respo N=1" in out
+    assert f"data.train_batch_size: {2 * REUSE} -> 2" in out
+    assert "TaskRunner" not in out
+    assert (run / "log.jsonl").read_text() == logged  # nothing ran
+
+
+def test_sigkill_after_a_periodic_checkpoint_ray_is_gone_and_the_relaunch_resumes_exactly(preempted, uninterrupted):
+    """The driver of the pre-empted run's second attempt killed with SIGKILL once global_step_3 (save_freq 3) is
+    complete: no process of its Ray session is left after the reaper's bound, the relaunch resumes from the newest
+    complete checkpoint, the log holds steps 1-4 once each (a step the killed attempt logged after its checkpoint is
+    logged again and counted once), and every metric and the final weights equal the uninterrupted run's."""
+    killed, folder = preempted["sigkill"], preempted["folder"]
     names = " | ".join(killed["recorded"].values())
     assert "raylet" in names and "gcs_server" in names and "ray::TaskRunner" in names, names
     assert not killed["left"], (f"left {killed['gone_after']:.1f} s after SIGKILL", killed["left"])
     assert "respo-verl reaper: driver" in killed["out"], killed["out"][-3000:]
     # The marker is written after the step's line: a complete checkpoint's step is in the log.
-    assert killed["logged"][:2] == [1, 2], killed["logged"]
-    first_attempt = cpu_runs.logged_steps(tmp_path / "log.jsonl")
-    assert first_attempt == list(range(1, len(first_attempt) + 1)) and len(first_attempt) in (2, 3), first_attempt
+    assert killed["logged"][:3] == [1, 2, 3], killed["logged"]
+    before = preempted["before_last"]
+    assert before[-1] in (3, 4) and sorted(set(before)) == list(range(1, before[-1] + 1)), before
 
-    resumed_from = max(int(p.parent.name.split("_")[-1]) for p in folder.glob(f"global_step_*/{MARKER}"))
-    rc, out = cpu_runs.launch(tmp_path, command)
-    assert rc == 0, out[-4000:]
+    resumed_from = preempted["resumed_from"]
+    assert resumed_from in (3, 4), resumed_from
+    out = preempted["last"]
     assert f"global_step_{resumed_from}" in out and "Resuming from" in out, out[-4000:]
-    log = read_log(tmp_path / "log.jsonl")
-    assert log.attempts == 2 and log.complete_through(4) and log.steps == [1, 2, 3, 4], (log.steps, log.continuity)
-    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    steps_then_events = [line.get("step", line.get("event")) for line in lines]
-    assert steps_then_events == [*first_attempt, "resume", *range(resumed_from + 1, 5)], steps_then_events
+    log = read_log(preempted["run"] / "log.jsonl")
+    assert log.attempts == 3 and log.complete_through(4) and log.steps == [1, 2, 3, 4], (log.steps, log.continuity)
     assert (folder / "global_step_4" / MARKER).is_file()
-    _assert_resumed_exactly(tmp_path, uninterrupted, resumed_from)
+    _assert_resumed_exactly(preempted["run"], uninterrupted, min(preempted["sigterm"]["steps"][-1], resumed_from))
 
 
 def torch_equal(a, b) -> bool:
