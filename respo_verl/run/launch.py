@@ -22,7 +22,7 @@ from respo_verl.run.jobcheck import check_machine, check_model
 from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
 
 PROG = "respo_verl.main_ppo"  # how the run's own lines name it
-_WATCHDOG = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
+_REAPER = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
 
 
 def with_driver_hooks(runner_cls, config: DictConfig):
@@ -61,19 +61,19 @@ def with_driver_hooks(runner_cls, config: DictConfig):
 
 
 def stop_local_ray_with_driver():
-    """When this driver started its own Ray cluster (``ray.init`` without an address), start the watchdog that stops
+    """When this driver started its own Ray cluster (``ray.init`` without an address), start the reaper that stops
     that cluster's processes once the driver has ended, SIGKILL included (:mod:`respo_verl.run.reaper`). A cluster
-    the job connected to through an address is left alone. Returns the watchdog's process, or None."""
+    the job connected to through an address is left alone. Returns the reaper's process, or None."""
     import ray._private.worker as ray_worker
 
     from respo_verl.run.reaper import watch_driver
 
-    global _WATCHDOG
+    global _REAPER
     node = getattr(ray_worker, "_global_node", None)
     if node is None or not getattr(node, "ray_init_cluster", False):
         return None
-    _WATCHDOG = watch_driver(node.get_session_dir_path())
-    return _WATCHDOG
+    _REAPER = watch_driver(node.get_session_dir_path())
+    return _REAPER
 
 
 def stop_on_sigterm(config: DictConfig) -> Path | None:

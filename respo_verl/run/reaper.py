@@ -8,8 +8,8 @@ Ray's fate sharing, which ends GCS and raylet at once, but Ray's agents lived on
 (measured: ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``, 40-70 s), and any process whose parent had not
 ended with it stays until it notices.
 
-:func:`watch_driver` starts a watchdog, ``python -m respo_verl.run.reaper``, in a session of its own (a kill of the
-driver's process group does not reach it). While the driver lives, the watchdog records the driver's descendants
+:func:`watch_driver` starts the reaper, ``python -m respo_verl.run.reaper``, in a session of its own (a kill of the
+driver's process group does not reach it). While the driver lives, the reaper records the driver's descendants
 every :data:`SCAN_INTERVAL_S` seconds, each by pid and start time (a pid the kernel has reused is never taken for
 one recorded). Once the driver has ended, it stops what is left of that cluster: the recorded processes still
 alive, every process whose command line names the session's folder, and all their descendants; SIGTERM first, then
@@ -18,7 +18,7 @@ driver's exit at the latest (worst case by construction: :data:`DEATH_POLL_S` + 
 :data:`KILL_WAIT_S`). It never touches a cluster the driver connected to through an address (the entry point does
 not start it then) nor anything outside the driver's process tree and the session's folder.
 
-Linux only (it reads ``/proc``); stdlib only, so that the watchdog starts in a fraction of a second.
+Linux only (it reads ``/proc``); stdlib only, so that the reaper starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# How often the watchdog checks whether the driver is still there: the first term of the bound.
+# How often the reaper checks whether the driver is still there: the first term of the bound.
 DEATH_POLL_S = 0.25
 # How often it records the driver's process tree; a process started and orphaned within one interval before the
 # driver's death is still found through the session folder on its command line or through a recorded ancestor.
@@ -154,7 +154,7 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 
 
 def watch(driver_pid: int, driver_start: int, session_dir: str | None) -> tuple[int, int]:
-    """Record the driver's process tree until the driver has ended, then :func:`reap` (the watchdog's body)."""
+    """Record the driver's process tree until the driver has ended, then :func:`reap` (the reaper's body)."""
     recorded: dict[int, int] = {}
     next_scan = 0.0
     while alive(driver_pid, driver_start):
@@ -167,9 +167,9 @@ def watch(driver_pid: int, driver_start: int, session_dir: str | None) -> tuple[
 
 
 def watch_driver(session_dir: str | None, driver_pid: int | None = None) -> subprocess.Popen:
-    """Start the watchdog for ``driver_pid`` (default: this process) and the Ray session folder ``session_dir``.
+    """Start the reaper for ``driver_pid`` (default: this process) and the Ray session folder ``session_dir``.
 
-    The watchdog runs in a session of its own, with no stdin or stdout; its stderr is the caller's, where it says
+    The reaper runs in a session of its own, with no stdin or stdout; its stderr is the caller's, where it says
     what it stopped.
     """
     pid = os.getpid() if driver_pid is None else int(driver_pid)
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session-dir", default=None, help="the Ray session folder the driver started")
     args = parser.parse_args(argv)
     # A Ctrl-C at the terminal, or SIGTERM (a save-and-stop request) sent to every process of a job, is for the
-    # driver: the watchdog ends by itself once the driver has ended and its cluster is stopped.
+    # driver: the reaper ends by itself once the driver has ended and its cluster is stopped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stopped, killed = watch(args.driver_pid, args.driver_start, args.session_dir)

@@ -96,6 +96,22 @@ def _one_line(text: str) -> str:
     return text if len(text) <= MAX_CAUSE_CHARS else text[: MAX_CAUSE_CHARS - 3] + "..."
 
 
+def stop_for_error(exc: BaseException, step: int) -> RunStopped | None:
+    """The stop for an error that ended a step where no watch was waiting (a ``ray.get`` of the step): a dead Ray
+    actor (:class:`ActorDied`, its class, pid and Ray's cause), or non-finite values refused by the loss
+    (``FloatingPointError``, :class:`NonFinite`); None for any other error."""
+    chain = causes(exc)
+    for inner in reversed(chain):
+        if any(cls.__name__ == "ActorDiedError" for cls in type(inner).__mro__):
+            who, reason = actor_died_cause(inner)
+            return ActorDied(f"step {step}: {who} has died while the step waited for it: {reason}")
+    for inner in reversed(chain):
+        if isinstance(inner, FloatingPointError):
+            first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+            return NonFinite(f"step {step}: FloatingPointError: {first}")
+    return None
+
+
 def stop_of(exc: BaseException, prog: str) -> Stop:
     """The one line and exit status for ``exc``, an exception that ended the run in the driver.
 

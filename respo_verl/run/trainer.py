@@ -18,19 +18,15 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
   (:func:`in_prompt_order`), so that a step's batch, and every sum over it, does not depend on the rollouts' timing.
   Two runs with verl's ``rollout.full_determinism`` (and a resumed run and an uninterrupted one) then agree to the
   last bit in every metric, not only in the weights.
-- **guards** on every step's metrics (:class:`GuardConfig`, the ``run_guard`` node of the presets): samples whose
-  reward or rollout failed, replaced by padding or evicted by verl and generated again
-  (``respo_verl/failed_samples``, ``.../failed_share``, :func:`failed_sample_metrics`) above a share, and
-  a collapsed policy (the clamp share of log W above a bound, or entropy near 0 with no group that carries a signal
-  for K steps in a row) stop the run with the metric and the step named. A guard on a step's metrics first logs
-  that step, to every logger verl was given, with ``respo_verl/stopped`` = 1 (:data:`STOPPED_KEY`), then stops the
-  run; non-finite rewards (the advantage computation) and log-probs (the loss) stop it naming the step.
-- **a watch over the waits verl would never end.** While verl's replay buffer waits for a step's samples (it polls
-  with no timeout), the actors the step waits on are checked for life (:func:`watched_actors`: agent-loop and
-  reward-loop workers, rollout servers and their load balancer), and a step in which no sample finishes for
-  ``run_guard.max_stall_s`` (``max_stall_after_stop_s`` once SIGTERM has asked for a stop) is stopped
-  (:class:`SampleWaitWatch`); a dead actor that a ``ray.get`` of the step meets is named with its step too
-  (:func:`stop_for_error`).
+- **guards** on every step's metrics (:mod:`respo_verl.run.guards`, the ``run_guard`` node of the presets): samples
+  whose reward or rollout failed above a share, and a collapsed policy, stop the run with the metric and the step
+  named. A guard on a step's metrics first logs that step, to every logger verl was given, with
+  ``respo_verl/stopped`` = 1 (:data:`respo_verl.run.guards.STOPPED_KEY`), then stops the run; non-finite rewards
+  (the advantage computation) and log-probs (the loss) stop it naming the step.
+- **the watchdog** over the waits verl would never end (:mod:`respo_verl.run.watchdog`): while verl's replay buffer
+  waits for a step's samples, the actors the step waits on are checked for life, and a step in which no sample
+  finishes for ``run_guard.max_stall_s`` is stopped; a dead actor that a ``ray.get`` of the step meets is named with
+  its step too (:func:`respo_verl.run.stops.stop_for_error`).
 
 Every stop is a :class:`respo_verl.run.stops.RunStopped`, whose class gives the entry point its one line and exit
 status (:mod:`respo_verl.run.stops`).
@@ -40,322 +36,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from respo_verl.patches import Patch
-from respo_verl.run.stops import (
-    ActorDied,
-    NonFinite,
-    RunStopped,
-    StalledAfterStop,
-    StepStalled,
-    actor_died_cause,
-)
+from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, GuardConfig, StepGuards, failed_sample_metrics
+from respo_verl.run.stops import NonFinite, RunStopped, stop_for_error
+from respo_verl.run.watchdog import SampleWaitWatch, watch_replay_buffer, watched_actors
 
 logger = logging.getLogger(__name__)
 
 TRAINER_MODE = "respo_sync"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_sync"
-FAILED_SAMPLES_KEY = "respo_verl/failed_samples"
-FAILED_SHARE_KEY = "respo_verl/failed_share"
-# verl's count (summed over a step) of prompt groups whose every sample failed (a reward or rollout that raised):
-# the replay buffer evicts them and generates new ones, so the step's batch is full and has no padding.
-EVICTED_GROUPS_KEY = "training/rollout_failure/evicted_samples"
-# 1.0 on the log line of the step a guard stopped the run in (that step's metrics are logged before the stop).
-STOPPED_KEY = "respo_verl/stopped"
 # Popped by verl's loop before it logs a step: a table for its own logger, not a metric.
 DAPO_COUNTS_KEY = "_dapo_filtered_reward_counts"
-ENTROPY_KEY = "actor/entropy"
-ADVANTAGE_KEYS = ("critic/advantages/max", "critic/advantages/min")
-# The kernel losses' share of sequences whose log W sits at the clamp, under actor/<loss>/.
-CLAMP_SUFFIX = "/clamp_frac"
-# While a step waits for its samples, how often the actors it waits on are checked for life (one Ray call each, all
-# at once); a failed sample (verl then generates its group again) checks them at once.
-WORKER_CHECK_INTERVAL_S = 10.0
-# A live actor answers its readiness call at once unless its event loop is blocked; longer counts as alive.
-WORKER_READY_TIMEOUT_S = 5.0
 
-__all__ = ["ActorDied", "GuardConfig", "NonFinite", "RunStopped", "StalledAfterStop", "StepGuards", "StepStalled"]
+__all__ = ["REGISTRATION", "TRAINER_MODE", "in_prompt_order", "trainer_hooks"]
 
 
-@dataclass(frozen=True)
-class GuardConfig:
-    """The ``run_guard`` node (defaults: configs/respo_verl/run_guard.yaml; validated here).
-
-    Attributes:
-        enable: run the guards at all.
-        max_failed_share: the largest share of a step's samples whose reward or rollout failed (replaced by
-            padding, or evicted and generated again) that the run tolerates; 0 stops at the first failure.
-        max_clamp_share: the largest share of sequences with log W at the clamp (±log_w_clip) tolerated in a step.
-        min_entropy: entropy below this counts as collapsed ...
-        collapse_steps: ... when, in as many consecutive steps, no group carries a signal (all advantages 0).
-        max_stall_s: the watchdog: a step in which no sample finished for this long while it waited for its samples
-            (counted from the step's start, the last finished sample, or the last update) stops the run.
-        max_stall_after_stop_s: the same, once SIGTERM has asked the run to stop: the shorter bound within which a
-            stalled step ends the run without saving (a step that makes progress still saves at its end).
-    """
-
-    enable: bool = True
-    max_failed_share: float = 0.0
-    max_clamp_share: float = 0.1
-    min_entropy: float = 1.0e-3
-    collapse_steps: int = 3
-    max_stall_s: float = 3600.0
-    max_stall_after_stop_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_failed_share", "max_clamp_share"):
-            value = getattr(self, name)
-            if not 0.0 <= float(value) <= 1.0:
-                raise ValueError(f"run_guard.{name}={value} must be in [0, 1]")
-        if float(self.min_entropy) < 0:
-            raise ValueError(f"run_guard.min_entropy={self.min_entropy} must be >= 0")
-        if int(self.collapse_steps) < 1:
-            raise ValueError(f"run_guard.collapse_steps={self.collapse_steps} must be >= 1")
-        for name in ("max_stall_s", "max_stall_after_stop_s"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"run_guard.{name}={getattr(self, name)} must be > 0 (seconds)")
-
-    @classmethod
-    def from_config(cls, node: Any) -> GuardConfig:
-        known = {f.name for f in fields(cls)}
-        given = dict(node or {})
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ValueError(f"run_guard has no key(s) {unknown}; known: {sorted(known)}")
-        return cls(**given)
-
-
-class StepGuards:
-    """The guards of :class:`GuardConfig` over a run's steps (pure: metrics in, :class:`RunStopped` out)."""
-
-    def __init__(self, config: GuardConfig) -> None:
-        self.config = config
-        self._quiet_steps = 0
-
-    def check(self, metrics: dict[str, Any], step: int) -> None:
-        c = self.config
-        if not c.enable:
-            return
-        share = metrics.get(FAILED_SHARE_KEY)
-        if share is not None and share > c.max_failed_share:
-            evicted = metrics.get(EVICTED_GROUPS_KEY) or 0
-            raise RunStopped(
-                f"step {step}: {FAILED_SHARE_KEY}={share:.4f} ({metrics.get(FAILED_SAMPLES_KEY)} samples whose "
-                f"reward or rollout failed: replaced by padding, or in the {evicted:g} group(s) verl evicted and "
-                f"generated again, {EVICTED_GROUPS_KEY}) > run_guard.max_failed_share={c.max_failed_share}"
-            )
-        for key, value in sorted(metrics.items()):
-            if key.endswith(CLAMP_SUFFIX) and isinstance(value, int | float) and value > c.max_clamp_share:
-                raise RunStopped(
-                    f"step {step}: {key}={value:.3f} > run_guard.max_clamp_share={c.max_clamp_share}: log W sits at "
-                    "its clamp for that share of the sequences (a collapsed or diverged policy)"
-                )
-        entropy = metrics.get(ENTROPY_KEY)
-        extremes = [metrics.get(key) for key in ADVANTAGE_KEYS]
-        no_signal = all(v is not None and abs(v) < 1e-12 for v in extremes)
-        if entropy is not None and entropy < c.min_entropy and no_signal:
-            self._quiet_steps += 1
-        else:
-            self._quiet_steps = 0
-        if self._quiet_steps >= c.collapse_steps:
-            raise RunStopped(
-                f"step {step}: {ENTROPY_KEY}={entropy:.2e} < run_guard.min_entropy={c.min_entropy} and no group with "
-                f"a signal ({', '.join(ADVANTAGE_KEYS)} = 0) for {self._quiet_steps} steps in a row "
-                f"(run_guard.collapse_steps={c.collapse_steps}): the policy has collapsed"
-            )
-
-
-def failed_sample_metrics(tags: list[dict], expected: int, evicted_groups: float = 0, group_size: int = 1) -> dict:
-    """Samples of a step whose reward or rollout failed, as verl reports them, and their share of the samples the
-    step generated.
-
-    Two kinds: samples replaced by padding (``expected``, prompts × n, minus the step's real samples: verl pads a
-    batch to a multiple of the data-parallel size too, but only a failure leaves fewer than ``expected`` real
-    samples), and the samples of the ``evicted_groups`` prompt groups (:data:`EVICTED_GROUPS_KEY`) that failed whole
-    and were generated again, ``group_size`` (n) each.
-    """
-    if evicted_groups < 0 or float(evicted_groups) != int(evicted_groups):
-        raise ValueError(f"{EVICTED_GROUPS_KEY}={evicted_groups} is not a count of groups")
-    real = sum(not tag.get("is_padding", False) for tag in tags)
-    regenerated = int(evicted_groups) * int(group_size)
-    failed = max(0, int(expected) - real) + regenerated
-    generated = int(expected) + regenerated
-    return {FAILED_SAMPLES_KEY: float(failed), FAILED_SHARE_KEY: failed / generated if generated else 0.0}
-
-
-def watched_actors(trainer: Any) -> list[tuple[str, list]]:
-    """The Ray actors a step of verl 0.9.1's V1 trainer waits on while it waits for its samples, by kind: the
-    agent-loop workers (they run the rollouts), the reward-loop workers (the agent loop asks them for every
-    sample's reward), the rollout servers and their load balancer (the agent loop asks them for every token). A
-    kind the run does not have is left out. The worker groups (actor, reference, critic) and TransferQueue are not
-    here: the step calls them with ``ray.get``, which raises Ray's ``ActorDiedError`` for a dead one
-    (:func:`stop_for_error`)."""
-    agent_loop = getattr(trainer, "agent_loop_manager", None)
-    reward_loop = getattr(trainer, "reward_loop_manager", None)
-    servers = getattr(trainer, "llm_server_manager", None)
-    balancer = getattr(servers, "global_load_balancer", None)
-    kinds = [
-        ("agent-loop worker", getattr(agent_loop, "agent_loop_workers", None)),
-        ("reward-loop worker", getattr(reward_loop, "reward_loop_workers", None)),
-        ("rollout server", getattr(servers, "server_handles", None)),
-        ("rollout load balancer", [balancer] if balancer is not None else None),
-    ]
-    return [(kind, list(handles)) for kind, handles in kinds if handles]
-
-
-def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: str) -> None:
-    """Raise :class:`ActorDied` when one of ``actors`` (:func:`watched_actors`) has died: Ray's ``ActorDiedError``
-    for its readiness call. All are asked at once; one busy past :data:`WORKER_READY_TIMEOUT_S`, or unreachable for
-    a moment (``ActorUnavailableError``, which Ray raises for a network blip too), counts as alive: the next check
-    asks again."""
-    import ray
-    from ray.exceptions import ActorDiedError, ActorUnavailableError
-
-    calls = [
-        (kind, index, len(handles), h.__ray_ready__.remote())
-        for kind, handles in actors
-        for index, h in enumerate(handles)
-    ]
-    if not calls:
-        return
-    ready, _ = ray.wait([ref for *_, ref in calls], num_returns=len(calls), timeout=WORKER_READY_TIMEOUT_S)
-    answered = set(ready)
-    for kind, index, count, ref in calls:
-        if ref not in answered:
-            continue
-        try:
-            ray.get(ref)
-        except ActorUnavailableError:
-            continue
-        except ActorDiedError as exc:
-            who, reason = actor_died_cause(exc)
-            raise ActorDied(
-                f"step {step}: {kind} {index} of {count} ({who}) has died while the step waited for {waiting_for}: "
-                f"{reason}"
-            ) from None
-
-
-def stop_for_error(exc: BaseException, step: int) -> RunStopped | None:
-    """The stop for an error that ended a step where no watch was waiting (a ``ray.get`` of the step): a dead Ray
-    actor (:class:`ActorDied`, its class, pid and Ray's cause), or non-finite values refused by the loss
-    (``FloatingPointError``, :class:`NonFinite`); None for any other error."""
-    from respo_verl.run.stops import causes
-
-    chain = causes(exc)
-    for inner in reversed(chain):
-        if any(cls.__name__ == "ActorDiedError" for cls in type(inner).__mro__):
-            who, reason = actor_died_cause(inner)
-            return ActorDied(f"step {step}: {who} has died while the step waited for it: {reason}")
-    for inner in reversed(chain):
-        if isinstance(inner, FloatingPointError):
-            first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
-            return NonFinite(f"step {step}: FloatingPointError: {first}")
-    return None
-
-
-class SampleWaitWatch:
-    """What the respo-verl trainer checks while verl's replay buffer waits for a step's samples (verl 0.9.1 polls
-    with no timeout): the actors the step waits on are alive (:func:`check_actors_alive`, every
-    :data:`WORKER_CHECK_INTERVAL_S` and after every failed sample), and the step makes progress: a sample it had not
-    seen finished, within ``run_guard.max_stall_s`` of the step's start, of the last such sample or of the last
-    update (``run_guard.max_stall_after_stop_s`` once a stop is requested, counted from the request at the
-    earliest). ``buffer`` is verl's replay buffer; its ``partitions`` hold the finished samples by key.
-    """
-
-    def __init__(
-        self,
-        guard: GuardConfig,
-        actors: list[tuple[str, list]],
-        stop_requested: Callable[[], bool],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.guard, self.actors, self.stop_requested, self.clock = guard, actors, stop_requested, clock
-        self.step = 0
-        self._seen: set[tuple[str, str]] = set()
-        self._progress_at = clock()
-        self._stop_at: float | None = None
-        self._next_liveness = clock() + WORKER_CHECK_INTERVAL_S
-
-    def progressed(self, step: int) -> None:
-        """A step began, or an update ended: the watchdog's clock starts again."""
-        if step != self.step:
-            self._seen.clear()
-        self.step = step
-        self._progress_at = self.clock()
-
-    def check(self, buffer: Any, partition_id: str | None, failed: bool = False) -> None:
-        now = self.clock()
-        partitions = [partition_id] if partition_id is not None else list(buffer.partitions)
-        for pid in partitions:
-            new = {(pid, key) for key in buffer.partitions[pid]} - self._seen
-            if new:
-                self._seen |= new
-                self._progress_at = now
-        waiting_for = f"its {'validation' if partition_id == 'val' else 'train'} samples"
-        if failed or now >= self._next_liveness:
-            check_actors_alive(self.actors, self.step, waiting_for)
-            self._next_liveness = self.clock() + WORKER_CHECK_INTERVAL_S
-        if self._stop_at is None and self.stop_requested():
-            self._stop_at = now
-        stalled = now - self._progress_at
-        if (
-            self._stop_at is not None
-            and now - max(self._progress_at, self._stop_at) > self.guard.max_stall_after_stop_s
-        ):
-            raise StalledAfterStop(
-                f"step {self.step}: stop requested (SIGTERM) while the step waited for {waiting_for}, and no sample "
-                f"finished for {now - max(self._progress_at, self._stop_at):.0f} s after it "
-                f"({self._state(buffer, partition_id)}) > run_guard.max_stall_after_stop_s="
-                f"{self.guard.max_stall_after_stop_s:g}: ended without saving step {self.step} (its update has not "
-                "run); a relaunch resumes from the last checkpoint"
-            )
-        if stalled > self.guard.max_stall_s:
-            raise StepStalled(
-                f"step {self.step}: no sample finished for {stalled:.0f} s while the step waited for {waiting_for} "
-                f"({self._state(buffer, partition_id)}) > run_guard.max_stall_s={self.guard.max_stall_s:g}"
-            )
-
-    def _state(self, buffer: Any, partition_id: str | None) -> str:
-        pid = partition_id or "train"
-        counts = {
-            name: len(getattr(buffer, f"{name}_keys", {}).get(pid, ()))
-            for name in ("pending", "running", "finished", "failure")
-        }
-        groups = ", ".join(f"{count} {name}" for name, count in counts.items())
-        return f"prompt groups: {groups}; {len(self._seen)} samples finished in this step"
-
-
-def watch_replay_buffer(buffer: Any, watch: SampleWaitWatch) -> Patch:
-    """The patch that makes ``buffer`` (verl 0.9.1's ``ReplayBuffer``, one instance) run ``watch`` after each of
-    its polls (``_wait_for_next_poll``, private: its loop in ``sample`` has no other place to stop) and before
-    each refill of failed groups (``refill_fn``)."""
-
-    def install(patch: Patch) -> None:
-        wait, refill = buffer._wait_for_next_poll, buffer.refill_fn
-
-        def wait_then_watch(partition_id, *args, **kwargs):
-            result = wait(partition_id, *args, **kwargs)
-            watch.check(buffer, partition_id)
-            return result
-
-        patch.replace(buffer, "_wait_for_next_poll", wait_then_watch, "liveness and step-progress watch per poll")
-        if refill is not None:
-
-            def watch_then_refill(*args, **kwargs):
-                watch.check(buffer, None, failed=True)
-                return refill(*args, **kwargs)
-
-            patch.replace(buffer, "refill_fn", watch_then_refill, "a failed sample checks the actors at once")
-
-    return Patch(WATCH_PATCH_NAME, "verl", "0.9.1", install)
-
-
-WATCH_PATCH_NAME = "watched waits of verl's replay buffer"
 HOOKS_PATCH_NAME = "respo-verl trainer's logger and sampler hooks"
 
 

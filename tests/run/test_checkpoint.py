@@ -13,15 +13,15 @@ from omegaconf import OmegaConf
 
 from respo_verl.run import checkpoint, resolvers
 from respo_verl.run.checkpoint import CheckpointError, identity, plan_resume, write_marker_info
-from respo_verl.run.trainer import (
+from respo_verl.run.guards import (
     FAILED_SAMPLES_KEY,
     FAILED_SHARE_KEY,
     STOPPED_KEY,
     GuardConfig,
-    RunStopped,
     StepGuards,
     failed_sample_metrics,
 )
+from respo_verl.run.stops import RunStopped
 
 
 def _cfg(folder, train_batch_size=8, mini=2, seed=0, **trainer):

@@ -1,4 +1,4 @@
-"""Which trainer ``python -m respo_verl.main_ppo`` runs, and the Ray watchdog it starts (respo_verl/run/launch.py).
+"""Which trainer ``python -m respo_verl.main_ppo`` runs, and the reaper it starts (respo_verl/run/launch.py).
 
 verl's legacy trainer (``trainer.use_v1=false``) has none of the respo-verl trainer's additions, so our entry point
 refuses it while the run guards are on, in one line naming the key, before Ray starts.
@@ -33,9 +33,9 @@ def test_the_legacy_trainer_runs_when_the_guards_are_turned_off():
         launch.check_trainer(compose_job(main_ppo.ENTRY, ["algorithm=vespo", LEGACY]))
 
 
-def test_no_watchdog_without_a_local_cluster_of_this_driver():
+def test_no_reaper_without_a_local_cluster_of_this_driver():
     """Before ``ray.init`` (and for a cluster reached through an address, where Ray's node is connect-only) the
-    entry point starts no watchdog: nothing of another cluster is ever stopped."""
+    entry point starts no reaper: nothing of another cluster is ever stopped."""
     import ray
 
     assert not ray.is_initialized()

@@ -1,7 +1,7 @@
-"""The watchdog that stops a driver's local Ray cluster once the driver has ended (respo_verl/run/reaper.py).
+"""The reaper that stops a driver's local Ray cluster once the driver has ended (respo_verl/run/reaper.py).
 
 Real processes, no Ray: a stand-in driver starts a tree of children (one that ignores SIGTERM, one orphaned before
-the driver dies, one that names the session folder but is not in the driver's tree), starts the watchdog as our
+the driver dies, one that names the session folder but is not in the driver's tree), starts the reaper as our
 entry point does (:func:`watch_driver`) and is then killed with SIGKILL, or ends normally. Processes outside the tree
 and naming another session folder must survive. The Ray run itself is covered by tests/cpu/test_cpu_resume.py.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from respo_verl.run.reaper import REAP_BOUND_S, SCAN_INTERVAL_S, _read_stat, alive, descendants, names_folder
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
 
 MIDDLE = (
     "import subprocess as s, sys, time\n"
@@ -33,7 +33,7 @@ SLEEPER = (
     "time.sleep(300)"
 )
 
-# The stand-in driver: children, the watchdog, an orphan, then the pids on stdout; it ends as told.
+# The stand-in driver: children, the reaper, an orphan, then the pids on stdout; it ends as told.
 DRIVER = """
 import json, os, subprocess, sys, time
 from respo_verl.run.reaper import watch_driver
@@ -41,15 +41,15 @@ session, how = sys.argv[1], sys.argv[2]
 sleeper = [sys.executable, "-c", {sleeper!r}]
 child = subprocess.Popen(sleeper)
 stubborn = subprocess.Popen([*sleeper, "ignore-term"])
-watchdog = watch_driver(session)
-# a process that starts a grandchild, lives through a scan of the watchdog and exits: the grandchild is orphaned
-# while the driver lives, and is found only because the watchdog recorded it
+reaper = watch_driver(session)
+# a process that starts a grandchild, lives through a scan of the reaper and exits: the grandchild is orphaned
+# while the driver lives, and is found only because the reaper recorded it
 middle = subprocess.Popen(
     [sys.executable, "-c", {middle!r}, str({settle}), *sleeper], stdout=subprocess.PIPE, text=True
 )
 orphan = int(middle.stdout.readline())
 middle.wait()
-pids = {{"child": child.pid, "stubborn": stubborn.pid, "orphan": orphan, "watchdog": watchdog.pid}}
+pids = {{"child": child.pid, "stubborn": stubborn.pid, "orphan": orphan, "reaper": reaper.pid}}
 print(json.dumps(pids), flush=True)
 if how == "exit":
     sys.exit(0)
@@ -93,7 +93,7 @@ def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(
     driver, pids = _start_driver(session, how)
     names = {pids["child"]: "child", pids["stubborn"]: "stubborn", pids["orphan"]: "orphan", in_session.pid: "named"}
     victims = [_ident(pid) for pid in names]
-    watchdog = _ident(pids["watchdog"])
+    reaper = _ident(pids["reaper"])
     try:
         assert _read_stat(pids["orphan"]).ppid != driver.pid  # orphaned: found only because it was recorded
         if how == "sigkill":
@@ -103,7 +103,7 @@ def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(
         left = _wait_gone(victims, REAP_BOUND_S)
         late = time.monotonic() - ended
         assert not left, f"still running {late:.1f} s after the driver ended: {[names[p] for p in left]}"
-        assert _wait_gone([watchdog], 5) == []  # the watchdog ends once it is done
+        assert _wait_gone([reaper], 5) == []  # the reaper ends once it is done
         assert bystander.poll() is None and outsider.poll() is None
         report = driver.stderr.read()
         assert "respo-verl reaper: driver" in report and "stopped 4 process(es)" in report, report
@@ -112,7 +112,7 @@ def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(
         for proc in (bystander, outsider, in_session):
             proc.kill()
             proc.wait()
-        for pid, start in [*victims, watchdog]:
+        for pid, start in [*victims, reaper]:
             if alive(pid, start):
                 os.kill(pid, signal.SIGKILL)
         driver.kill()

@@ -14,6 +14,7 @@ import pytest
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from respo_verl.run.guards import GuardConfig
 from respo_verl.run.stops import (
     EXIT_ACTOR_DIED,
     EXIT_ERROR,
@@ -25,9 +26,10 @@ from respo_verl.run.stops import (
     RunStopped,
     StalledAfterStop,
     StepStalled,
+    stop_for_error,
     stop_of,
 )
-from respo_verl.run.trainer import WATCH_PATCH_NAME, GuardConfig, SampleWaitWatch, stop_for_error, watch_replay_buffer
+from respo_verl.run.watchdog import WATCH_PATCH_NAME, SampleWaitWatch, watch_replay_buffer
 
 PROG = "respo_verl.main_ppo"
 # Ray 2.60's reason for a worker process killed with SIGKILL (seen in tests/cpu/test_cpu_hangs.py's run)

@@ -35,7 +35,7 @@ LOG_STEPS = ("training", "optimizer")
 OPTIMIZER_STEP_KEY = "mini/optimizer_step"
 # Logged on every line of a per-update log: N of the run.
 REUSE_KEY = "mini/reuse"
-# 1.0 on the line of the step a run guard stopped the run in (respo_verl.run.trainer.STOPPED_KEY).
+# 1.0 on the line of the step a run guard stopped the run in (respo_verl.run.guards.STOPPED_KEY).
 STOPPED_KEY = "respo_verl/stopped"
 
 
