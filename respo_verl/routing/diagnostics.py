@@ -15,17 +15,30 @@ own top-k of its scores), both of size ``k``:
 - ``replayed_tokens``: tokens counted (per forward, not per layer).
 
 Sums stay on the device until :meth:`RouteDriftStats.metrics`, which makes one host copy for all layers.
+
+By update index. Reusing a rollout batch for N updates makes the j-th update's replayed routes j updates stale (R2).
+:func:`per_update_metrics` files one update's whole-model metrics (every key above but the per-layer ones) again
+under ``by_update/j<j>/...`` (:func:`update_label`), so a step's log keeps the drift of each j, not only the mean.
+Updates from :data:`EXACT_UPDATES` on share power-of-two buckets (``j64-127``, ``j128-255``, ...).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
 
 METRIC_PREFIX = "actor/routing"
 PER_LAYER_METRICS = ("flip_frac", "overlap", "prob_mass_delta")
+# Update indices below this get a key each: twice the largest N of the ReSPO paper (32), so its whole regime is
+# logged per j; later indices share power-of-two buckets, which bounds the keys at any N.
+EXACT_UPDATES = 64
+BY_UPDATE = "by_update"
+_WHOLE_MODEL_METRICS = (*PER_LAYER_METRICS, "any_layer_flip_frac", "replayed_tokens")
+_STAGE_KEY = re.compile(r"^any_layer_flip_frac/pp_stage_\d+$")  # any_layer_flip_frac per stage with PP > 1
+_UPDATE_LABEL = re.compile(r"^j(?P<lo>\d+)(?:-(?P<hi>\d+))?$")
 # Sum slots kept per layer: tokens, flipped tokens, overlap / k, replayed-minus-native probability mass.
 _TOKENS, _FLIPPED, _OVERLAP, _MASS_DELTA = range(4)
 _NUM_SLOTS = 4
@@ -210,3 +223,47 @@ def drift_metrics(
     tail = torch.stack([any_layer[1] / any_layer[0], any_layer[0]])
     values = torch.cat([ratios.T.reshape(-1), overall, tail]).tolist()  # the one host sync
     return dict(zip(keys, values, strict=True))
+
+
+def update_label(j: int) -> str:
+    """The ``by_update`` label of update index ``j`` (0 = the first update on a rollout batch): ``j<j>`` below
+    :data:`EXACT_UPDATES`, else the power-of-two bucket holding it, ``j<lo>-<hi>``."""
+    if j < 0:
+        raise ValueError(f"update index {j}: must be >= 0")
+    if j < EXACT_UPDATES:
+        return f"j{j}"
+    lo = 1 << (j.bit_length() - 1)
+    return f"j{lo}-{2 * lo - 1}"
+
+
+def parse_update_label(label: str) -> tuple[int, int] | None:
+    """``(lo, hi)``, the update indices a :func:`update_label` label covers (``j3``: (3, 3)); None for another text."""
+    match = _UPDATE_LABEL.match(label)
+    if match is None:
+        return None
+    lo = int(match["lo"])
+    return lo, int(match["hi"]) if match["hi"] is not None else lo
+
+
+def per_update_metrics(metrics: Mapping[str, float], j: int, prefix: str = METRIC_PREFIX) -> dict[str, float]:
+    """One update's whole-model metrics under ``{prefix}/by_update/{update_label(j)}/...``.
+
+    Args:
+        metrics: the update's metrics (:func:`drift_metrics` or the cross-rank reduction), keys under ``prefix``.
+        j: the update's index on its rollout batch (0 = first, routes freshly recorded under R2).
+        prefix: the prefix of ``metrics``' keys; other prefixes (e.g. ``.../compute_log_prob``) are left out.
+
+    Returns:
+        The overall ratios, ``any_layer_flip_frac`` (per pipeline stage where so reported) and ``replayed_tokens``;
+        per-layer keys are left out (layers × updates would be thousands of keys on a 48-layer model). No tensor is
+        touched: the values are the floats already read.
+    """
+    label = update_label(j)
+    out = {}
+    for key, value in metrics.items():
+        if not key.startswith(prefix + "/"):
+            continue
+        name = key[len(prefix) + 1 :]
+        if name in _WHOLE_MODEL_METRICS or _STAGE_KEY.match(name):
+            out[f"{prefix}/{BY_UPDATE}/{label}/{name}"] = value
+    return out

@@ -35,6 +35,15 @@ PP > 1 ``any_layer_flip_frac`` is reported per stage (the whole-model value is a
 are scalars per mini-batch, handed to verl as one-element lists like its micro-batch metrics; the trainer's mean
 over mini-batches is therefore a mean of per-mini-batch ratios.
 
+By update index. That mean hides how drift grows with staleness, so each training call's whole-model metrics are
+logged a second time under ``routing/by_update/j<j>/...``
+(:func:`respo_verl.routing.diagnostics.per_update_metrics`), with j the call's index in the step's update pass:
+0 for the first mini-batch on a rollout batch, N − 1 for the last (N·epochs − 1 with ``ppo_epochs`` > 1). verl's
+worker runs one ``train_batch`` per mini-batch and marks the last of the pass with the batch flag
+``update_lr_scheduler``, so the engine counts training calls and starts again at 0 after that flag: host-side
+bookkeeping of a non-tensor flag, no host sync. Each j's key appears once per step, so the trainer's mean over
+the step's mini-batches is that j's value.
+
 Delete when: verl reports route drift (or replay statistics) from its Megatron engine itself, or offers a per-step
 hook on the engine that can add metrics.
 """
@@ -144,6 +153,7 @@ class _EngineRouteDrift:
         self.module = None
         self.monitor = None
         self.pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self.update_index = 0  # j of the next training call in the step's update pass
 
     def close(self) -> None:
         if self.monitor is not None:
@@ -164,6 +174,10 @@ class _EngineRouteDrift:
 
     def run(self, original, engine, data, loss_function, forward_only):
         """``original(data, loss_function, forward_only)`` (verl's bound method) with the routers watched."""
+        from verl.utils import tensordict_utils as tu
+
+        from respo_verl.routing.diagnostics import per_update_metrics
+
         self._attach(engine.module)
         routes = data.get("routed_experts", None)
         if routes is not None:
@@ -181,7 +195,12 @@ class _EngineRouteDrift:
             self.pending = (_add(self.pending[0], sums[0]), _add(self.pending[1], sums[1]))
             return output
         log_prob_sums, self.pending = self.pending, (None, None)
+        update_index = self.update_index
+        # verl's worker flags the last mini-batch of the update pass (it steps the learning-rate scheduler there).
+        last = bool(tu.get_non_tensor_data(data, key="update_lr_scheduler", default=False))
+        self.update_index = 0 if last else update_index + 1
         metrics = self._reduce(engine, {TRAIN_PREFIX: sums, LOG_PROB_PREFIX: log_prob_sums})
+        metrics.update(per_update_metrics(metrics, update_index, prefix=TRAIN_PREFIX))
         if metrics and engine.is_mp_src_rank_with_outputs() and isinstance(output, dict) and "metrics" in output:
             # One-element lists, the shape of verl's per-micro-batch metrics (worker flattens, trainer averages).
             output["metrics"].update({key: [value] for key, value in metrics.items()})

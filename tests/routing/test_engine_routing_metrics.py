@@ -151,6 +151,45 @@ def test_forward_only_drift_is_reported_with_the_next_update(engine_cls, input_i
     assert not [key for key in again if key.startswith("routing/compute_log_prob")]  # reported once
 
 
+def _update_pass(engine, input_ids, routes, flips_by_update: list[int]) -> dict[str, float]:
+    """One step's update pass as verl's worker runs it: one training call per mini-batch, the last one flagged
+    ``update_lr_scheduler``; the metrics collected per key over the mini-batches and reduced by verl's own
+    ``reduce_metrics`` (the trainer's mean). Mini-batch j replays ``routes`` with ``flips_by_update[j]`` tokens of
+    the last layer flipped."""
+    from verl.utils.metric import reduce_metrics
+
+    step: dict[str, list[float]] = {}
+    for j, flips in enumerate(flips_by_update):
+        engine.routes = _flip(routes, LAST, flips)
+        data = _batch(input_ids)
+        tu.assign_non_tensor(data, update_lr_scheduler=j == len(flips_by_update) - 1)
+        for key, value in engine.forward_backward_batch(data, None, forward_only=False)["metrics"].items():
+            step.setdefault(key, []).extend(value)
+    return reduce_metrics(step)
+
+
+def test_each_update_index_is_logged_on_its_own_and_the_mean_is_kept(engine_cls, input_ids):
+    """A hand-built pass of N = 4 updates whose replayed routes grow staler: update j flips 3j tokens."""
+    model = tiny_gpt_moe()
+    routes = _native_routes(model, input_ids)
+    engine = _engine(engine_cls, model, routes)
+    flips = [0, 3, 6, 9]
+    for _ in range(2):  # the second step's pass starts again at j = 0
+        metrics = _update_pass(engine, input_ids, routes, flips)
+        for j, n in enumerate(flips):
+            assert metrics[f"routing/by_update/j{j}/flip_frac"] == pytest.approx(n / (TOKENS * NUM_LAYERS))
+            assert metrics[f"routing/by_update/j{j}/any_layer_flip_frac"] == pytest.approx(n / TOKENS)
+            assert metrics[f"routing/by_update/j{j}/overlap"] == pytest.approx(1 - n / (TOKENS * NUM_LAYERS * 2))
+            assert metrics[f"routing/by_update/j{j}/replayed_tokens"] == TOKENS
+            assert metrics[f"routing/by_update/j{j}/prob_mass_delta"] <= 0
+        assert metrics["routing/by_update/j0/prob_mass_delta"] == 0
+        assert metrics["routing/flip_frac"] == pytest.approx(18 / 4 / (TOKENS * NUM_LAYERS))  # the mean, as before
+        assert metrics["routing/any_layer_flip_frac"] == pytest.approx(18 / 4 / TOKENS)
+        by_update = {key for key in metrics if "/by_update/" in key}
+        assert len(by_update) == 4 * 5  # no per-layer key per update, no update beyond N − 1
+        assert engine._route_drift.update_index == 0
+
+
 def test_nothing_installed_when_replay_is_off(engine_cls, input_ids):
     model = tiny_gpt_moe()
     routes = _native_routes(model, input_ids)
