@@ -9,6 +9,7 @@ from pathlib import Path
 
 from respo_verl.tools.report.analysis import NAME_EXAMPLES, RunSummary, gap_points, summarise_groups, summarise_run
 from respo_verl.tools.report.render import markdown_report, plot_gap, plot_scores, plot_starved_mass, plots_section
+from respo_verl.tools.report.routing import group_routing, plot_routing, routing_section, run_routing
 from respo_verl.tools.runs.logs import LogError, RunLog, read_log
 from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, read_manifest
 from respo_verl.tools.runs.stats import REWARD_RANGES, SCORE_KEY
@@ -129,6 +130,10 @@ def build_report(
     groups, refused = summarise_groups(runs, logs_by_run)
     gap = gap_points(runs, logs_by_run)
     text = markdown_report(groups, runs, refused, skipped, reward_range, gap)
+    used = [r for g in groups for r in g.runs]
+    drift = {r.name: run_routing(r.name, r.algorithm, r.reuse, r.seed, r.log_step, logs_by_run[r.name]) for r in used}
+    routing = group_routing([d for d in drift.values() if d is not None])
+    text += "\n" + "\n".join(routing_section(routing, [name for name, d in drift.items() if d is None]))
     if metrics:
         text += "\n## Requested metrics (mean over the run, mean over seeds)\n\n"
         text += "| method | N | " + " | ".join(metrics) + " |\n|---|---|" + "---|" * len(metrics) + "\n"
@@ -146,6 +151,8 @@ def build_report(
             outputs += plot_starved_mass(groups, out)
         if plots and (gap_plot := plot_gap(gap[0], out)) is not None:
             outputs.append(gap_plot)
+        if plots and (routing_plot := plot_routing(routing, out)) is not None:
+            outputs.append(routing_plot)
         text += plots_section([p.name for p in outputs[1:]])
         outputs[0].write_text(text)
     except OSError as exc:

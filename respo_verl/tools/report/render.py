@@ -19,6 +19,7 @@ from respo_verl.tools.report.analysis import (
     RunSummary,
     format_lr,
 )
+from respo_verl.tools.report.routing import ROUTING_PLOT, ROUTING_PLOT_LEGEND
 from respo_verl.tools.runs.stats import EARLY_WINDOW, LATE_WINDOW
 
 
@@ -191,6 +192,7 @@ PLOT_LEGENDS = {
     STARVED_MASS_PLOTS[LOSS_OWN]: "the loss's own starved mass share against optimizer update, per N",
     GAP_PLOT: f"late-score gap to {_display(algorithms.BASELINE)} against the method-independent "
     "starved mass share, per (method, N, learning rate)",
+    ROUTING_PLOT: ROUTING_PLOT_LEGEND,
 }
 
 
