@@ -8,9 +8,12 @@ verl's ``ppo_trainer`` (``python -m verl.trainer.main_ppo``, our presets reached
 from __future__ import annotations
 
 import os
+import secrets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray's token auth, on as on a user's cluster, with a token of this test session (tests/support/ray_auth.py).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import pytest
@@ -154,3 +157,36 @@ def _fast_tier_starts_no_ray_and_no_trainer(request, monkeypatch):
     yield
     if refused:
         pytest.fail(refused[0], pytrace=False)
+
+
+# --- the suite's verl drivers -----------------------------------------------------------------------------------------
+# Every end-to-end test starts its verl drivers through tests/support/cpu_runs.py, which writes one line per driver to
+# the file named by DRIVERS_ENV; the session (the controller, under pytest-xdist) creates it for its workers and
+# prints the count at the end (README, Testing: the suite's budget of verl drivers).
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller has set the file
+        return
+    import tempfile
+
+    from support.cpu_runs import DRIVERS_ENV
+
+    fd, path = tempfile.mkstemp(prefix="rv-drivers-", suffix=".tsv")
+    os.close(fd)
+    os.environ[DRIVERS_ENV] = path
+    config._respo_verl_drivers = path
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path = getattr(config, "_respo_verl_drivers", None)
+    if path is None:
+        return
+    from collections import Counter
+    from pathlib import Path
+
+    lines = [line.split("\t") for line in Path(path).read_text().splitlines() if line.strip()]
+    Path(path).unlink(missing_ok=True)
+    by_file = Counter(test for test, *_ in lines)
+    detail = ", ".join(f"{test} {count}" for test, count in sorted(by_file.items()))
+    terminalreporter.write_line(f"verl drivers started: {len(lines)}" + (f" ({detail})" if detail else ""))
