@@ -214,7 +214,7 @@ def routing_figure(groups: list[GroupRouting]):
                 xs, ys, marker="o", ms=3, lw=1.4, color=color, label=f"N = {g.reuse} ({seeds} seed{'s' * (seeds > 1)})"
             )
         ax.set_title(algorithms.display_name(algorithm))
-        ax.set_xlabel("update index j on the rollout batch (R2: updates since the routes were recorded)")
+        ax.set_xlabel("update index j on the rollout batch (R2: j updates stale)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     highest = max(ax.dataLim.ymax for ax in axes[0])
