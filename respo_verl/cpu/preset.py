@@ -29,9 +29,24 @@ class CPUJobError(ValueError):
     """A job the CPU path cannot run, said in one line that names what to change."""
 
 
+# The samplers of a CPU job: ours (the presets' default) and verl's vLLM server on vLLM's CPU build.
+VLLM = "vllm"
+CPU_ROLLOUTS = (ROLLOUT_NAME, VLLM)
+# Head sizes vLLM 0.24.0's CPU attention takes (CPUAttentionBackend.get_supported_head_sizes).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# What verl's vLLM server needs on a CPU, per actor_rollout_ref.rollout key: the values the CPU presets set.
+VLLM_CPU_SETTINGS = {
+    "enable_sleep_mode": (False, "vLLM refuses sleep mode on a CPU"),
+    "free_cache_engine": (False, "freeing the KV cache between steps is sleep mode's"),
+    "enforce_eager": (True, "CUDA graphs need CUDA"),
+    "dtype": ("float32", "the trainer's fp32 log-probs are compared with the sampler's"),
+    "checkpoint_engine.backend": ("naive", "verl's other weight transfers (CUDA IPC, NCCL, delta_sharded) need CUDA"),
+}
+
+
 def is_cpu_job(cfg: Any) -> bool:
-    """True when the job uses the CPU rollout (what the ``device=cpu`` preset selects)."""
-    return OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") == ROLLOUT_NAME
+    """True for a job of the CPU presets (``trainer.device=cpu``), sampled by ``hf_cpu`` or by verl's vLLM server."""
+    return OmegaConf.select(cfg, "trainer.device") == "cpu"
 
 
 def check_cpu_job(cfg: Any) -> None:
@@ -47,15 +62,17 @@ def check_cpu_job(cfg: Any) -> None:
     - an attention implementation (FSDP engine) or a head size that the CPU path cannot run.
     """
     device = OmegaConf.select(cfg, "trainer.device")
+    rollout = OmegaConf.select(cfg, "actor_rollout_ref.rollout.name", default=None)
     if not is_cpu_job(cfg):
-        if device == "cpu":
-            raise CPUJobError(
-                f"trainer.device=cpu needs the CPU preset: add {PRESET} (it sets the CPU platform, gloo, the hf_cpu "
-                "rollout and the tiny model kit); see docs/cpu.md"
-            )
+        if rollout == ROLLOUT_NAME:
+            raise CPUJobError(f"{PRESET} runs on the CPU only, got trainer.device={device}")
         return
-    if device != "cpu":
-        raise CPUJobError(f"{PRESET} runs on the CPU only, got trainer.device={device}")
+    if rollout not in CPU_ROLLOUTS:
+        raise CPUJobError(
+            f"trainer.device=cpu needs the CPU preset: add {PRESET} (it sets the CPU platform, gloo, the hf_cpu "
+            f"rollout and the tiny model kit; got actor_rollout_ref.rollout.name={rollout}, and a CPU job samples "
+            f"with {' or '.join(CPU_ROLLOUTS)}); see docs/cpu.md"
+        )
     modules = str(OmegaConf.select(cfg, f"ray_kwargs.ray_init.runtime_env.env_vars.{MODULES_ENV}", default="") or "")
     if CPU_MODULE not in [m.strip() for m in modules.split(",")]:
         raise CPUJobError(
@@ -82,7 +99,19 @@ def check_cpu_job(cfg: Any) -> None:
                 f"actor_rollout_ref.model.override_config.attn_implementation={attention} does not run on CPU; "
                 f"use one of {', '.join(CPU_ATTENTION)}"
             )
-    _check_model_shape(OmegaConf.select(cfg, "actor_rollout_ref.model.path"))
+    if rollout == VLLM:
+        _check_vllm_cpu_job(cfg)
+    _check_model_shape(OmegaConf.select(cfg, "actor_rollout_ref.model.path"), vllm=rollout == VLLM)
+
+
+def _check_vllm_cpu_job(cfg: Any) -> None:
+    for key, (value, reason) in VLLM_CPU_SETTINGS.items():
+        full_key = f"actor_rollout_ref.rollout.{key}"
+        got = OmegaConf.select(cfg, full_key)
+        if got != value:
+            raise CPUJobError(
+                f"{full_key}={got} does not run with vLLM on a CPU ({reason}); the CPU presets set {value}"
+            )
 
 
 # What megatron-core 0.16.1 and mbridge need to run on CPU (no Transformer Engine, no CUDA), per role
@@ -133,8 +162,9 @@ def _check_attention_env(cfg: Any) -> None:
                 )
 
 
-def _check_model_shape(path: Any) -> None:
-    """The head size of the model at ``path`` (when it is a local HF folder) must suit rotary embeddings on CPU."""
+def _check_model_shape(path: Any, vllm: bool = False) -> None:
+    """The head size of the model at ``path`` (when it is a local HF folder) must suit rotary embeddings on CPU, and
+    with ``vllm`` vLLM's CPU attention."""
     config_file = Path(str(path)).expanduser() / "config.json"
     if not config_file.is_file():
         return  # a kit that is not built yet, or a hub name: checked when it is loaded
@@ -146,6 +176,11 @@ def _check_model_shape(path: Any) -> None:
     if head_dim % 2:
         raise CPUJobError(
             f"{config_file}: head_dim={head_dim} is odd; rotary position embeddings need an even head size"
+        )
+    if vllm and head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise CPUJobError(
+            f"{config_file}: head_dim={head_dim} is not a head size of vLLM's CPU attention "
+            f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); sample this model with rollout.name={ROLLOUT_NAME}"
         )
 
 

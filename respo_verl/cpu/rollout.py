@@ -47,8 +47,9 @@ import asyncio
 import hashlib
 import logging
 import os
+import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ray
@@ -60,6 +61,38 @@ ROLLOUT_MODE = "async"
 ADAPTER_FQN = f"{__name__}.CPURolloutAdapter"
 
 logger = logging.getLogger(__name__)
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_expert_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF checkpoint layout (one tensor per expert and projection) -> transformers 5's in-memory expert layout.
+
+    mbridge exports Qwen3-MoE experts as a checkpoint stores them (``...mlp.experts.<e>.{gate,up,down}_proj.weight``,
+    what vLLM's loader reads); transformers 5 holds them fused per layer, ``...mlp.experts.gate_up_proj``
+    (experts, 2 * moe_intermediate, hidden; gate rows first) and ``...mlp.experts.down_proj`` (experts, hidden,
+    moe_intermediate), which is what the hf_cpu rollout server loads. Other tensors pass through unchanged; the fused
+    ones follow once the stream ends (the server takes a whole state dict). The trainer sends the checkpoint's layout,
+    the one vLLM's loader reads (it skips any other expert name without a word).
+    """
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in named_tensors:
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+        experts.setdefault(prefix, {}).setdefault(projection, {})[expert] = tensor
+    for prefix, projections in experts.items():
+        ids = sorted(projections.get("down_proj", {}))
+        if ids != list(range(len(ids))) or any(sorted(projections.get(p, {})) != ids for p in ("gate_proj", "up_proj")):
+            raise ValueError(
+                f"{prefix}: the exported experts are incomplete ({ {p: sorted(v) for p, v in projections.items()} })"
+            )
+        gate_up = [torch.cat([projections["gate_proj"][e], projections["up_proj"][e]], dim=0) for e in ids]
+        yield f"{prefix}.gate_up_proj", torch.stack(gate_up)  # (E, 2I, H)
+        yield f"{prefix}.down_proj", torch.stack([projections["down_proj"][e] for e in ids])  # (E, H, I)
 
 
 def _server_name(replica_rank: int, node_rank: int = 0) -> str:
@@ -384,6 +417,7 @@ def _adapter_class() -> type:
             async for name, tensor in _as_async(weights):
                 full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                 state[name] = full.detach().to("cpu", torch.float32).clone()
+            state = dict(fuse_expert_weights(state.items()))
             await self._server_handle().update_weights.remote(state, global_steps)
             logger.debug("hf_cpu rollout: %d tensors synced in %.2fs", len(state), time.perf_counter() - started)
 

@@ -326,7 +326,7 @@ def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from respo_verl.cpu.megatron import fuse_expert_weights
+    from respo_verl.cpu.rollout import fuse_expert_weights
 
     model_dir = moe_kit.model
     checkpoint = {}

@@ -65,7 +65,8 @@ class KitSpec:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 16
+    # vLLM's CPU attention takes head sizes of 32, 64, 80, ... only; the dense and MoE kits are sampled by vLLM too.
+    head_dim: int = 32
     num_experts: int = 4
     experts_per_token: int = 2
     moe_intermediate_size: int = 64
@@ -117,7 +118,8 @@ class Kit:
 
 
 # The demo's regime task: long answers (the chain task's 51 tokens) from a base model right about a third of the time.
-CHAIN = KitSpec(task="chain", warm_start_steps=400, complete_share=0.4, train_prompts=1024)
+# Its head size stays 16 (the demo's measured figures are on this model); the chain task is sampled by hf_cpu only.
+CHAIN = KitSpec(task="chain", head_dim=16, warm_start_steps=400, complete_share=0.4, train_prompts=1024)
 
 
 def spec_of(variant: str) -> KitSpec:
