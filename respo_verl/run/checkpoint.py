@@ -9,7 +9,12 @@ wrote it. Here:
   and its step logged;
 - before Ray starts, :func:`plan_resume` looks at the run's folder: a checkpoint of another configuration stops the
   run with one line naming both; a half-written newest checkpoint (a ``global_step_<k>`` folder without the marker)
-  is reported loudly and the run resumes from the last complete one.
+  is reported loudly and the run resumes from the last complete one;
+- the marker lists every file the save wrote, with its size and a cheap check of its content (:func:`manifest`:
+  a hash of its first and last :data:`CHECK_BYTES`); before a resume, :func:`verify` repeats it, and a missing,
+  truncated, changed or unreadable file stops the run with one line naming the checkpoint, the file and the override
+  that resumes from the newest intact checkpoint before it. A marker without a file list (saved before markers had
+  one) is accepted with a note.
 
 Imports omegaconf only (it runs in the driver before anything heavy).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +34,9 @@ from omegaconf import OmegaConf
 MARKER = "respo_verl_run.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 STOP_FILE = "STOP"
+# The integrity check of a file reads this much at its start and as much at its end: headers, and the tail where a
+# zip archive (torch.save) keeps its central directory, which a truncated or half-copied file loses first.
+CHECK_BYTES = 64 * 1024
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # Keys a resumed run may change without becoming another run: where and how it logs, saves, validates and resumes,
 # how long it runs, and the Ray/cluster plumbing (verl's driver switches TransferQueue on by itself). Everything else
@@ -130,6 +139,60 @@ def write_marker_info(folder: Path, info: dict) -> Path:
     return path
 
 
+def file_check(path: Path) -> str:
+    """The cheap integrity check of one file: sha256 (16 hex digits) of its first and last :data:`CHECK_BYTES`
+    bytes (the whole file when it is shorter than twice that). Reads at most 128 KiB, whatever the file's size."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        digest.update(fh.read(CHECK_BYTES))
+        if size > CHECK_BYTES:
+            fh.seek(max(CHECK_BYTES, size - CHECK_BYTES))
+            digest.update(fh.read(CHECK_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file under ``folder`` but the marker: its path relative to ``folder``, size in bytes and
+    :func:`file_check`."""
+    folder = Path(folder)
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        if path.parent == folder and path.name in (MARKER, Path(MARKER).with_suffix(".partial").name):
+            continue
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "check": file_check(path)}
+    return files
+
+
+def verify(folder: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """What is wrong with ``folder`` against the file list its marker recorded (:func:`manifest`), in a few words
+    naming the file, or None: every file is there, with its size and its check. Files the list does not name are
+    not looked at."""
+    folder = Path(folder)
+    for name, expected in sorted(files.items()):
+        path = folder / name
+        try:
+            size = path.stat().st_size
+            if size != expected.get("size"):
+                return f"{path} has {size} bytes, the save wrote {expected.get('size')}"
+            if expected.get("check") is not None and file_check(path) != expected["check"]:
+                return f"{path}: its first and last {CHECK_BYTES // 1024} KiB differ from what the save wrote"
+        except FileNotFoundError:
+            return f"{path} is missing"
+        except OSError as exc:
+            return f"{path} cannot be read: {exc.strerror or exc}"
+    return None
+
+
+def marker_problem(folder: Path) -> tuple[str | None, bool]:
+    """(what is wrong with the complete checkpoint ``folder`` or None, whether its marker lists its files)."""
+    info = json.loads((Path(folder) / MARKER).read_text())
+    files = info.get("files")
+    if files is None:
+        return None, False
+    return verify(folder, files), True
+
+
 def stop_request(cfg: Any, cwd: Path | None = None) -> Path:
     """The file whose existence asks the run to save and stop at the end of its step (the entry point writes it on
     SIGTERM): ``STOP`` in the run's checkpoint folder."""
@@ -172,11 +235,27 @@ def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> R
     ``run`` is the run's :func:`identity` when the caller took it earlier (the trainer takes it before verl adds its
     own keys to the configuration); by default it is taken from ``cfg``.
 
+    With ``trainer.resume_mode=resume_path``, the checkpoint it names is verified when it has a marker.
+
     Raises:
-        CheckpointError: the newest complete checkpoint belongs to another configuration.
+        CheckpointError: the newest complete checkpoint belongs to another configuration, or one of its files is
+            missing, truncated, changed or unreadable (the message names the override that resumes from the newest
+            intact checkpoint before it).
     """
     folder = checkpoint_folder(cfg, cwd)
     mode = str(OmegaConf.select(cfg, "trainer.resume_mode", default="auto"))
+    if mode == "resume_path":
+        named = OmegaConf.select(cfg, "trainer.resume_from_path")
+        path = Path(str(named)).expanduser() if named else None
+        if path is not None and not path.is_absolute():
+            path = (cwd or Path.cwd()) / path
+        if path is not None and (path / MARKER).is_file():
+            problem, _ = marker_problem(path)
+            if problem:
+                raise CheckpointError(
+                    f"DAMAGED CHECKPOINT {path} (trainer.resume_from_path): {problem}; name another checkpoint"
+                )
+        return ResumePlan(folder, None)
     if mode != "auto" or not folder.is_dir():
         return ResumePlan(folder, None)
     steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
@@ -210,4 +289,23 @@ def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> R
             f"(checkpoint -> this run): {'; '.join(changed) or 'none recorded'}. Give this run its own "
             "trainer.experiment_name or trainer.default_local_dir, or set trainer.resume_mode=disable to start over"
         )
+    problem, listed = marker_problem(path)
+    if not listed:
+        warnings.append(
+            f"{path} was saved before checkpoints listed their files (its {MARKER} has none): its files are not "
+            "verified; resuming from it"
+        )
+    elif problem:
+        raise CheckpointError(f"DAMAGED CHECKPOINT {path}: {problem}; {_way_out(complete, step)}")
     return ResumePlan(folder, path, tuple(warnings))
+
+
+def _way_out(complete: list[tuple[int, Path]], damaged: int) -> str:
+    """The override that resumes from the newest complete checkpoint before ``damaged`` whose files verify."""
+    for k, p in reversed(complete):
+        if k < damaged and marker_problem(p)[0] is None:
+            return (
+                f"to resume from global_step_{k}, the newest intact checkpoint before it, add "
+                f"trainer.resume_mode=resume_path trainer.resume_from_path={p}"
+            )
+    return "no intact checkpoint before it: set trainer.resume_mode=disable to start over"

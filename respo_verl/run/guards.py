@@ -42,7 +42,11 @@ class GuardConfig:
         max_stall_s: the watchdog: a step in which no sample finished for this long while it waited for its samples
             (counted from the step's start, the last finished sample, or the last update) stops the run.
         max_stall_after_stop_s: the same, once SIGTERM has asked the run to stop: the shorter bound within which a
-            stalled step ends the run without saving (a step that makes progress still saves at its end).
+            stalled step ends the run without saving (a step that makes progress still saves at its end); it bounds
+            a stalled phase after SIGTERM too.
+        max_phase_s: the watchdog's phase deadline, measured by the driver: a phase of a step (generation, old
+            log-probs, the update, the weight sync, the save, ...) in which nothing ends and nothing progresses
+            for this long stops the run (:class:`respo_verl.run.watchdog.PhaseDeadline`).
     """
 
     enable: bool = True
@@ -52,6 +56,7 @@ class GuardConfig:
     collapse_steps: int = 3
     max_stall_s: float = 3600.0
     max_stall_after_stop_s: float = 300.0
+    max_phase_s: float = 1800.0
 
     def __post_init__(self) -> None:
         for name in ("max_failed_share", "max_clamp_share"):
@@ -62,7 +67,7 @@ class GuardConfig:
             raise ValueError(f"run_guard.min_entropy={self.min_entropy} must be >= 0")
         if int(self.collapse_steps) < 1:
             raise ValueError(f"run_guard.collapse_steps={self.collapse_steps} must be >= 1")
-        for name in ("max_stall_s", "max_stall_after_stop_s"):
+        for name in ("max_stall_s", "max_stall_after_stop_s", "max_phase_s"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"run_guard.{name}={getattr(self, name)} must be > 0 (seconds)")
 

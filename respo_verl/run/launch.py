@@ -23,6 +23,7 @@ from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
 
 PROG = "respo_verl.main_ppo"  # how the run's own lines name it
 _REAPER = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
+_PHASE_DEADLINE = None  # the watchdog's phase deadline (respo_verl.run.watchdog.PhaseDeadline) of this driver's run
 
 
 def with_driver_hooks(runner_cls, config: DictConfig):
@@ -45,6 +46,7 @@ def with_driver_hooks(runner_cls, config: DictConfig):
             print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_REFUSED) from None
         stop_on_sigterm(config)
+        watch_phases(config)
 
     class _HookedTaskRunner:
         @staticmethod
@@ -76,6 +78,29 @@ def stop_local_ray_with_driver():
     return _REAPER
 
 
+def watch_phases(config: DictConfig):
+    """With the respo-verl trainer and its guards on, start the watchdog's phase deadline in this driver
+    (:class:`respo_verl.run.watchdog.PhaseDeadline`): it reads the trainer's phase record every 2 s and, when a
+    phase has made no progress for ``run_guard.max_phase_s``, interrupts the driver's wait for the trainer; the
+    entry point then prints the stop's line and exits with its status. A record left by an earlier attempt is
+    removed first. Returns the deadline, or None."""
+    import _thread
+
+    from respo_verl.run import checkpoint
+    from respo_verl.run.guards import GuardConfig
+    from respo_verl.run.watchdog import PhaseDeadline, phase_file
+
+    global _PHASE_DEADLINE
+    guard = GuardConfig.from_config(config.get("run_guard"))
+    if not uses_respo_trainer(config) or not guard.enable:
+        return None
+    path = phase_file(checkpoint.checkpoint_folder(config))
+    path.unlink(missing_ok=True)
+    _PHASE_DEADLINE = PhaseDeadline(path, guard)
+    _PHASE_DEADLINE.start(on_stop=_thread.interrupt_main)
+    return _PHASE_DEADLINE
+
+
 def stop_on_sigterm(config: DictConfig) -> Path | None:
     """Turn SIGTERM (Slurm's ``--signal``, a Kubernetes eviction) into a request to save and stop.
 
@@ -95,9 +120,11 @@ def stop_on_sigterm(config: DictConfig) -> Path | None:
     def _request_stop(signum, frame):
         request.parent.mkdir(parents=True, exist_ok=True)
         request.touch()
+        if _PHASE_DEADLINE is not None:
+            _PHASE_DEADLINE.request_stop()
         print(
             f"{PROG}: {signal.Signals(signum).name}: the trainer saves at the end of this step and "
-            f"stops ({request}), or ends without saving if the step finishes no sample for "
+            f"stops ({request}), or ends without saving if the step makes no progress for "
             "run_guard.max_stall_after_stop_s; send SIGKILL to end at once",
             file=sys.stderr,
             flush=True,
@@ -164,8 +191,16 @@ def train(config: DictConfig) -> None:
         runner_cls = TaskRunnerV1
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
+    global _PHASE_DEADLINE
     try:
         run_ppo(config, task_runner_class=with_driver_hooks(runner_cls, config))
+    except KeyboardInterrupt:  # the phase deadline interrupts the wait for the trainer (or a Ctrl-C does)
+        stopped = _PHASE_DEADLINE.stopped if _PHASE_DEADLINE is not None else None
+        if stopped is None:
+            raise
+        stop = stop_of(stopped, PROG)
+        print(stop.line, file=sys.stderr, flush=True)
+        raise SystemExit(stop.status) from None
     except Exception as exc:  # Ray re-raises the trainer's stop wrapped in a traceback per process: its line first
         stop = stop_of(exc, PROG)
         print(stop.line, file=sys.stderr, flush=True)
@@ -173,5 +208,8 @@ def train(config: DictConfig) -> None:
             raise
         raise SystemExit(stop.status) from None
     finally:
+        if _PHASE_DEADLINE is not None:
+            _PHASE_DEADLINE.close()
+            _PHASE_DEADLINE = None
         if ray.is_initialized():
             ray.shutdown()

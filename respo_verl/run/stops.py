@@ -17,10 +17,28 @@ EXIT_GUARD = 3  # a run guard on a step's metrics or data (failed samples, a col
 EXIT_ACTOR_DIED = 4  # a process the step waits on died (a Ray actor: worker, server, reward worker, ...)
 EXIT_STALLED = 5  # the watchdog: no sample finished and no update for run_guard.max_stall_s
 EXIT_STALLED_AFTER_STOP = 6  # SIGTERM arrived and the step then made no progress for run_guard.max_stall_after_stop_s
+EXIT_PHASE_STALLED = (
+    7  # the watchdog's phase deadline: no phase of a step ended, no progress, for run_guard.max_phase_s
+)
 
 # Ray's error text for a dead actor goes on with advice about every possible cause; the line keeps what happened.
 _RAY_ADVICE = re.compile(r"\s*(Some common causes include|There are some potential root causes|Check the).*", re.S)
 MAX_CAUSE_CHARS = 600  # a cause longer than this is cut: the line must stay one line a person reads
+# What a Ray actor of a verl run does, by the end of its class name as Ray reports it (verl's colocated worker class
+# is ``create_colocated_worker_cls.<locals>.WorkerDict``): the name a stop line gives it, before its class and pid.
+ACTOR_ROLES = (
+    ("WorkerDict", "update worker"),  # verl's colocated worker: the policy's update, old log-probs, reference
+    ("TaskRunner", "trainer"),  # verl's TaskRunner: the process the respo-verl trainer runs in
+    ("TaskRunnerV1", "trainer"),
+    ("AgentLoopWorker", "agent-loop worker"),
+    ("AgentLoopWorkerTQ", "agent-loop worker"),
+    ("RewardLoopWorker", "reward worker"),
+    ("LoadBalancer", "rollout load balancer"),
+    ("HttpServer", "rollout server"),
+    ("RolloutServer", "rollout server"),
+    ("StorageUnit", "TransferQueue storage"),
+    ("Controller", "TransferQueue controller"),
+)
 
 
 class RunStopped(RuntimeError):
@@ -58,6 +76,15 @@ class StalledAfterStop(StepStalled):
     what = "watchdog after SIGTERM"
 
 
+class PhaseStalled(RunStopped):
+    """A phase of a step (generation, old log-probs, the update, the weight sync, the save, ...) neither ended nor
+    reported progress within the watchdog's phase deadline; the message names the step, the phase, the actors it
+    waits on and the bound."""
+
+    exit_status = EXIT_PHASE_STALLED
+    what = "watchdog, phase deadline"
+
+
 @dataclass(frozen=True)
 class Stop:
     """What the entry point prints and exits with."""
@@ -79,16 +106,31 @@ def causes(exc: BaseException) -> list[BaseException]:
     return chain
 
 
-def actor_died_cause(exc: BaseException) -> tuple[str, str]:
-    """(the dead actor's class and pid, Ray's reason in one line) from a Ray ``ActorDiedError``'s text."""
+def actor_role(class_name: str) -> str | None:
+    """What an actor of class ``class_name`` (as Ray names it) does in a run (:data:`ACTOR_ROLES`), or None."""
+    short = class_name.rsplit(".", 1)[-1]
+    return next((role for end, role in ACTOR_ROLES if short.endswith(end)), None)
+
+
+def dead_actor(exc: BaseException) -> tuple[str | None, str, str]:
+    """(the dead actor's role or None, its class and pid, Ray's reason in one line) from a Ray ``ActorDiedError``'s
+    text, e.g. ``("update worker", "WorkerDict, pid 5", "The actor is dead because ...")``."""
     text = str(exc)
     name = re.search(r"class_name: (\S+)", text)
     pid = re.search(r"\bpid: (\d+)", text)
-    who = (name[1] if name else "an actor") + (f", pid {pid[1]}" if pid else "")
+    short = name[1].rsplit(".", 1)[-1] if name else None
+    where = (short or "an actor") + (f", pid {pid[1]}" if pid else "")
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("\t")]
     told = [line for line in lines if line != "The actor died unexpectedly before finishing this task."]
     detail = _RAY_ADVICE.sub("", told[0] if told else (lines[0] if lines else type(exc).__name__)).strip()
-    return who, _one_line(detail)
+    return (actor_role(short) if short else None), where, _one_line(detail)
+
+
+def actor_died_cause(exc: BaseException) -> tuple[str, str]:
+    """(the dead actor by role, class and pid, e.g. ``update worker (WorkerDict, pid 5)``; Ray's reason in one
+    line) from a Ray ``ActorDiedError``'s text."""
+    role, where, reason = dead_actor(exc)
+    return (f"{role} ({where})" if role else where), reason
 
 
 def _one_line(text: str) -> str:

@@ -36,13 +36,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from respo_verl.patches import Patch
 from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, GuardConfig, StepGuards, failed_sample_metrics
 from respo_verl.run.stops import NonFinite, RunStopped, stop_for_error
-from respo_verl.run.watchdog import SampleWaitWatch, watch_replay_buffer, watched_actors
+from respo_verl.run.watchdog import (
+    GENERATION_ACTORS,
+    PhaseBoard,
+    SampleWaitWatch,
+    phase_file,
+    waits_on,
+    watch_replay_buffer,
+    watched_actors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +118,8 @@ def _trainer_class() -> type:
     class RespoTrainer(PPOTrainerSync):
         """verl's ``PPOTrainerSync`` with the additions of :mod:`respo_verl.run.trainer`."""
 
+        _board: PhaseBoard | None = None  # the phase record, with the guards on
+
         def __init__(self, config, *args, **kwargs):
             guard = GuardConfig.from_config(config.get("run_guard"))
             self._guards = StepGuards(guard)
@@ -117,7 +128,69 @@ def _trainer_class() -> type:
             verl_0_9_1.FILE_LOGGER_APPEND.apply()
             self._prompt_order: dict[str, int] = {}  # uid -> position, for the train prompts not yet sampled
             self._prompts_fetched = 0
+            # The phase of the step for the driver's phase deadline (respo_verl.run.watchdog.PhaseDeadline).
+            folder = checkpoint.checkpoint_folder(config)
+            self._board = PhaseBoard(phase_file(folder)) if guard.enable else None
             super().__init__(config, *args, **kwargs)
+
+        @contextmanager
+        def _phase(self, phase: str, *kinds: str, folder: Path | None = None):
+            """Run a phase of the step under the driver's deadline; ``kinds``: the actors it waits on."""
+            if self._board is None:
+                yield
+                return
+            with self._board.phase(self.global_steps, phase, waits_on(self, *kinds), folder):
+                yield
+
+        def on_init_end(self):
+            with self._phase("weight sync", "update worker", "rollout server"):
+                super().on_init_end()
+            if self._board is not None:
+                self._board.pause("start-up: verl builds the agent loop")
+
+        def on_sample_begin(self):
+            if self._board is not None:
+                self._board.enter(self.global_steps, "generation", waits_on(self, *GENERATION_ACTORS))
+            super().on_sample_begin()
+
+        def on_sample_end(self):
+            super().on_sample_end()  # verl: the rollout servers release their weights and KV cache
+            if self._board is not None:
+                self._board.enter(self.global_steps, "between phases, after generation", waits_on(self))
+
+        def on_validate_begin(self):
+            if self._board is not None:
+                self._board.enter(self.global_steps, "validation", waits_on(self, *GENERATION_ACTORS))
+            super().on_validate_begin()
+
+        def on_validate_end(self):
+            super().on_validate_end()
+            if self._board is not None:
+                self._board.enter(self.global_steps, "between phases, after validation", waits_on(self))
+
+        def _compute_reward_colocate(self, batch, metrics=None):
+            with self._phase("reward", "reward worker"):
+                return super()._compute_reward_colocate(batch, metrics=metrics)
+
+        def _compute_old_log_prob(self, batch, metrics):
+            with self._phase("old log-probs", "update worker"):
+                return super()._compute_old_log_prob(batch, metrics)
+
+        def _compute_ref_log_prob(self, batch, metrics):
+            with self._phase("reference log-probs", "reference worker"):
+                return super()._compute_ref_log_prob(batch, metrics)
+
+        def _compute_values(self, batch, metrics):
+            with self._phase("values", "critic worker"):
+                return super()._compute_values(batch, metrics)
+
+        def _update_critic(self, batch, metrics):
+            with self._phase("critic update", "critic worker"):
+                return super()._update_critic(batch, metrics)
+
+        def _update_actor(self, batch, metrics):
+            with self._phase("update", "update worker"):
+                return super()._update_actor(batch, metrics)
 
         def _fetch_one_gen_batch(self):
             batch = super()._fetch_one_gen_batch()
@@ -157,7 +230,9 @@ def _trainer_class() -> type:
             if not self._guards.config.enable:
                 return
             request = checkpoint.stop_request(self.config)
-            self._watch = SampleWaitWatch(self._guards.config, watched_actors(self), request.is_file)
+            self._watch = SampleWaitWatch(
+                self._guards.config, watched_actors(self), request.is_file, on_poll=self._board.progress
+            )
             self._watch.progressed(self.global_steps)
             self._watch_patch = watch_replay_buffer(self.replay_buffer, self._watch)
             self._watch_patch.apply()
@@ -177,6 +252,9 @@ def _trainer_class() -> type:
                 if stop is None:
                     raise
                 raise stop from None
+            finally:
+                if self._board is not None:
+                    self._board.end()
 
         def _in_prompt_order(self, batch):
             """A train batch of the replay buffer in the data loader's order (:func:`in_prompt_order`)."""
@@ -186,7 +264,9 @@ def _trainer_class() -> type:
             return ordered
 
         def _save_checkpoint(self):
-            super()._save_checkpoint()
+            folder = Path(checkpoint.checkpoint_folder(self.config)) / f"global_step_{self.global_steps}"
+            with self._phase("save", "update worker", "critic worker", folder=folder):
+                super()._save_checkpoint()
             self._saved_step = self.global_steps
             # verl logs the step's metrics after its save (and after validation): the marker waits for that line,
             # so that a run killed in between redoes the step from the checkpoint before instead of losing its line.
@@ -197,11 +277,14 @@ def _trainer_class() -> type:
                 return  # a step a guard stopped in is not a step to resume after
             folder = Path(checkpoint.checkpoint_folder(self.config)) / f"global_step_{step}"
             folder.mkdir(parents=True, exist_ok=True)
-            checkpoint.write_marker_info(folder, {**self._run, "step": int(step)})
+            # every file the save wrote, for the check before a resume (a few reads per file: seconds)
+            files = checkpoint.manifest(folder)
+            checkpoint.write_marker_info(folder, {**self._run, "step": int(step), "files": files})
             self._unmarked_step = None
 
         def on_step_end(self):
-            super().on_step_end()
+            with self._phase("weight sync", "update worker", "rollout server"):
+                super().on_step_end()  # verl: the rollout servers load the updated weights
             if getattr(self, "_watch", None) is not None:
                 self._watch.progressed(self.global_steps)  # the update has run
             request = checkpoint.stop_request(self.config)
@@ -241,6 +324,8 @@ def _trainer_class() -> type:
             try:
                 return super()._compute_advantage(batch, metrics)
             except ValueError as exc:  # e.g. non-finite rewards: verl's message does not say which step
+                # the step's metrics so far (generation, old log-probs), logged and marked like a guard's stop
+                self._log_stopping_step(metrics, self.global_steps)
                 raise NonFinite(f"step {self.global_steps}: {exc}") from exc
 
     return RespoTrainer

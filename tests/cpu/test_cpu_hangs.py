@@ -60,7 +60,7 @@ def test_the_runs_reward_worker_killed_mid_run_stops_the_run_within_a_minute(kit
     assert rc == EXIT_ACTOR_DIED, out[-4000:]
     found = cpu_runs.stop_line(
         out,
-        rf"\(dead actor, exit {EXIT_ACTOR_DIED}\): step (\d+): reward-loop worker 0 of 1 \(RewardLoopWorker, pid "
+        rf"\(dead actor, exit {EXIT_ACTOR_DIED}\): step (\d+): reward worker 0 of 1 \(RewardLoopWorker, pid "
         r"(\d+)\) has died while the step waited for its train samples: (.+)",
     )
     step, pid, cause = int(found[1]), int(found[2]), found[3]

@@ -7,6 +7,7 @@ tests/cpu/test_cpu_resume.py.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from omegaconf import OmegaConf
@@ -39,11 +40,21 @@ def _cfg(folder, train_batch_size=8, mini=2, seed=0, **trainer):
     )
 
 
-def _save(folder, step, cfg, marker=True):
+# A checkpoint's files: one larger than both ends the check reads, one smaller than one end.
+FILES = {"actor/optim_world_size_1_rank_0.pt": bytes(range(256)) * 1024, "data.pt": b"loader state"}
+
+
+def _save(folder, step, cfg, marker=True, listed=True):
+    """A checkpoint folder as the trainer leaves it: its files written, then its marker, which lists them (a marker
+    of an older version, ``listed=False``, has no list)."""
     path = folder / f"global_step_{step}"
     path.mkdir(parents=True)
+    for name, data in FILES.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
     if marker:
-        write_marker_info(path, {**identity(cfg), "step": step})
+        files = {"files": checkpoint.manifest(path)} if listed else {}
+        write_marker_info(path, {**identity(cfg), "step": step, **files})
     (folder / checkpoint.TRACKER).write_text(str(step))
     return path
 
@@ -127,6 +138,89 @@ def test_checkpoints_without_markers_resume_as_verl_would_with_a_warning(tmp_pat
     plan = plan_resume(cfg)
     assert plan.resume_from == path
     assert "has no respo_verl_run.json" in plan.warnings[0] and "cannot be checked" in plan.warnings[0]
+
+
+def test_the_marker_lists_every_file_with_its_size_and_check(tmp_path):
+    path = _save(tmp_path, 2, _cfg(tmp_path))
+    listed = json.loads((path / checkpoint.MARKER).read_text())["files"]
+    assert sorted(listed) == sorted(FILES)  # the marker itself is not listed
+    assert listed["data.pt"]["size"] == len(b"loader state") and listed["actor/optim_world_size_1_rank_0.pt"]["size"]
+    assert checkpoint.verify(path, listed) is None
+
+
+def test_the_check_reads_both_ends_of_a_file(tmp_path):
+    big = tmp_path / "big"
+    big.write_bytes(b"a" * (4 * checkpoint.CHECK_BYTES))
+    before = checkpoint.file_check(big)
+    with big.open("r+b") as fh:
+        fh.seek(2 * checkpoint.CHECK_BYTES)
+        fh.write(b"b")  # the middle: not read, the size is the same
+    assert checkpoint.file_check(big) == before
+    with big.open("r+b") as fh:
+        fh.seek(-1, 2)
+        fh.write(b"b")  # the last byte: read
+    assert checkpoint.file_check(big) != before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "changed", "unreadable"])
+def test_a_damaged_newest_checkpoint_is_refused_naming_the_file_and_the_way_out(tmp_path, damage):
+    cfg = _cfg(tmp_path)
+    _save(tmp_path, 1, cfg)
+    before = _save(tmp_path, 2, cfg)
+    newest = _save(tmp_path, 3, cfg)
+    optim = newest / "actor" / "optim_world_size_1_rank_0.pt"
+    size = optim.stat().st_size
+    if damage == "truncated":
+        with optim.open("r+b") as fh:
+            fh.truncate(size // 2)
+    elif damage == "missing":
+        optim.unlink()
+    elif damage == "changed":
+        optim.write_bytes(b"x" * size)
+    else:
+        optim.chmod(0)
+        if os.access(optim, os.R_OK):
+            pytest.skip("this user reads files whatever their mode (root)")
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(cfg)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"DAMAGED CHECKPOINT {newest}: {optim}")
+    assert {
+        "truncated": f"has {size // 2} bytes, the save wrote {size}",
+        "missing": "is missing",
+        "changed": "first and last 64 KiB differ from what the save wrote",
+        "unreadable": "cannot be read: Permission denied",
+    }[damage] in message
+    override = f"trainer.resume_mode=resume_path trainer.resume_from_path={before}"
+    assert message.endswith(f"to resume from global_step_2, the newest intact checkpoint before it, add {override}")
+    # the override it names: the checkpoint it names is verified, and the trainer resumes from it as verl does
+    again = _cfg(tmp_path, resume_mode="resume_path", resume_from_path=str(before))
+    assert plan_resume(again).resume_from is None
+    with pytest.raises(CheckpointError, match=r"DAMAGED CHECKPOINT .*global_step_3 \(trainer.resume_from_path\)"):
+        plan_resume(_cfg(tmp_path, resume_mode="resume_path", resume_from_path=str(newest)))
+
+
+def test_the_way_out_skips_damaged_checkpoints_before_the_newest(tmp_path):
+    cfg = _cfg(tmp_path)
+    _save(tmp_path, 1, cfg)
+    (_save(tmp_path, 2, cfg) / "data.pt").unlink()
+    (_save(tmp_path, 3, cfg) / "data.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"global_step_3/data.pt is missing; to resume from global_step_1,"):
+        plan_resume(cfg)
+    (tmp_path / "global_step_1" / "data.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint before it: set trainer.resume_mode=disable"):
+        plan_resume(cfg)
+
+
+def test_a_marker_without_a_file_list_is_accepted_with_a_note(tmp_path):
+    cfg = _cfg(tmp_path)
+    path = _save(tmp_path, 2, cfg, listed=False)  # a marker as markers were before they listed files
+    plan = plan_resume(cfg)
+    assert plan.resume_from == path
+    assert plan.warnings == (
+        f"{path} was saved before checkpoints listed their files (its {checkpoint.MARKER} has none): its files are "
+        "not verified; resuming from it",
+    )
 
 
 def test_resume_disabled_ignores_the_folder(tmp_path):
@@ -258,7 +352,7 @@ def test_a_guard_logs_the_step_it_stops_in_marked_and_leaves_its_checkpoint_unma
     assert healthy.logger.logged == [] and STOPPED_KEY not in metrics  # verl's loop logs a step that goes on
 
 
-def test_non_finite_rewards_stop_the_run_naming_the_step(monkeypatch):
+def test_non_finite_rewards_stop_the_run_naming_the_step_and_log_it_marked(monkeypatch):
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     def advantage(self, batch, metrics):
@@ -268,7 +362,9 @@ def test_non_finite_rewards_stop_the_run_naming_the_step(monkeypatch):
     trainer = _bare_trainer(monkeypatch, {})
     trainer.global_steps = 3
     with pytest.raises(RunStopped, match=r"^step 3: token_level_rewards holds non-finite values in 1 of 4 responses$"):
-        trainer._compute_advantage(None, {})
+        trainer._compute_advantage(None, {"timing_s/gen": 2.0})
+    # the step is in the log like every guard's stop: its metrics so far, marked
+    assert trainer.logger.logged == [(3, {"timing_s/gen": 2.0, STOPPED_KEY: 1.0})] and trainer.logger.finished == [1]
 
 
 def test_disabled_guards_never_stop():

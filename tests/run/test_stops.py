@@ -19,13 +19,16 @@ from respo_verl.run.stops import (
     EXIT_ACTOR_DIED,
     EXIT_ERROR,
     EXIT_GUARD,
+    EXIT_PHASE_STALLED,
     EXIT_STALLED,
     EXIT_STALLED_AFTER_STOP,
     ActorDied,
     NonFinite,
+    PhaseStalled,
     RunStopped,
     StalledAfterStop,
     StepStalled,
+    actor_role,
     stop_for_error,
     stop_of,
 )
@@ -65,13 +68,14 @@ def _as_driver_gets_it(exc: BaseException, function: str = "TaskRunner.run") -> 
     [
         (RunStopped("step 2: actor/respo/clamp_frac=0.750 > run_guard.max_clamp_share=0.1"), EXIT_GUARD, "run guard"),
         (
-            ActorDied("step 3: reward-loop worker 0 of 1 (RewardLoopWorker, pid 7) has died"),
+            ActorDied("step 3: reward worker 0 of 1 (RewardLoopWorker, pid 7) has died"),
             EXIT_ACTOR_DIED,
             "dead actor",
         ),
         (NonFinite("step 3: token_level_rewards holds non-finite values"), EXIT_GUARD, "non-finite data"),
         (StepStalled("step 1: no sample finished for 61 s"), EXIT_STALLED, "watchdog"),
         (StalledAfterStop("step 1: stop requested (SIGTERM)"), EXIT_STALLED_AFTER_STOP, "watchdog after SIGTERM"),
+        (PhaseStalled("step 2: the phase 'update' has run for 31 s"), EXIT_PHASE_STALLED, "watchdog, phase deadline"),
     ],
 )
 def test_a_stop_raised_in_the_task_runner_is_one_line_with_its_status(stop, status, what):
@@ -86,9 +90,9 @@ def test_a_dead_actor_nobody_watched_names_its_class_pid_and_rays_cause():
     got = stop_of(_actor_died("TaskRunner", 99), PROG)
     assert got.status == EXIT_ACTOR_DIED
     assert got.line == (
-        f"{PROG}: stopped (dead actor, exit 4): TaskRunner, pid 99 died: The actor is dead because its worker process "
-        "has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a "
-        "connection error code 2. End of file."
+        f"{PROG}: stopped (dead actor, exit 4): trainer (TaskRunner, pid 99) died: The actor is dead because its "
+        "worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with "
+        "a connection error code 2. End of file."
     )
 
 
@@ -101,8 +105,9 @@ def test_an_unknown_error_is_one_line_then_its_traceback():
 def test_errors_of_a_step_become_stops_naming_the_step():
     # a ray.get inside the step: the worker group's actor died (Ray raises ActorDiedError as such), or its loss
     # refused non-finite values (Ray wraps the worker's error)
-    died = stop_for_error(_actor_died("WorkerDict", 5), step=4)
-    assert isinstance(died, ActorDied) and str(died).startswith("step 4: WorkerDict, pid 5 has died while the step ")
+    died = stop_for_error(_actor_died("create_colocated_worker_cls.<locals>.WorkerDict", 5), step=4)
+    assert isinstance(died, ActorDied)
+    assert str(died).startswith("step 4: update worker (WorkerDict, pid 5) has died while the step "), died
     nan = stop_for_error(
         _as_driver_gets_it(FloatingPointError("log_prob holds non-finite values\nmore"), "WorkerDict.update_actor"), 2
     )
@@ -207,7 +212,7 @@ def test_the_patch_runs_the_watch_after_each_poll_and_before_each_refill_and_und
     assert len(checks) == 2
 
 
-@pytest.mark.parametrize(("key", "value"), [("max_stall_s", 0), ("max_stall_after_stop_s", -1)])
+@pytest.mark.parametrize(("key", "value"), [("max_stall_s", 0), ("max_stall_after_stop_s", -1), ("max_phase_s", 0)])
 def test_the_watchdog_bounds_must_be_positive(key, value):
     with pytest.raises(ValueError, match=rf"run_guard.{key}={value} must be > 0"):
         GuardConfig(**{key: value})
@@ -218,11 +223,11 @@ def test_the_presets_bounds_are_the_config_classes_defaults_and_the_cpu_presets_
 
     configs = Path(__file__).resolve().parents[2] / "configs"
     shared = GuardConfig.from_config(OmegaConf.load(configs / "respo_verl" / "run_guard.yaml").run_guard)
-    assert shared == GuardConfig() and shared.max_stall_s == 3600
+    assert shared == GuardConfig() and (shared.max_stall_s, shared.max_phase_s) == (3600, 1800)
     for preset in ("cpu", "cpu_megatron"):
         node = OmegaConf.load(configs / "device" / f"{preset}.yaml").run_guard
         cpu = GuardConfig.from_config({**OmegaConf.to_container(node)})
-        assert (cpu.max_stall_s, cpu.max_stall_after_stop_s) == (300, 60), preset
+        assert (cpu.max_stall_s, cpu.max_stall_after_stop_s, cpu.max_phase_s) == (300, 60, 120), preset
 
 
 def test_the_trainers_logger_and_sampler_hooks_act_and_undo(capsys):
@@ -253,3 +258,128 @@ def test_the_trainers_logger_and_sampler_hooks_act_and_undo(capsys):
     assert buffer.sample is stand_in and logger.log.__func__ is Tracking.log
     logger.log(data={"x": 2.0}, step=4)
     assert logged == [3]
+
+
+def test_actors_are_named_by_their_role_in_a_run():
+    assert actor_role("create_colocated_worker_cls.<locals>.WorkerDict") == "update worker"
+    assert actor_role("RewardLoopWorker") == "reward worker"
+    assert actor_role("AgentLoopWorkerTQ") == "agent-loop worker"
+    assert actor_role("vLLMHttpServer") == "rollout server" and actor_role("CPURolloutServer") == "rollout server"
+    assert actor_role("GlobalRequestLoadBalancer") == "rollout load balancer"
+    assert actor_role("TaskRunnerV1") == "trainer" and actor_role("SomethingElse") is None
+    got = stop_of(_actor_died("SomethingElse", 3), PROG)
+    assert "stopped (dead actor, exit 4): SomethingElse, pid 3 died: " in got.line
+
+
+def _deadline(tmp_path, clock, **guard):
+    from respo_verl.run.watchdog import PhaseBoard, PhaseDeadline, phase_file
+
+    path = phase_file(tmp_path)
+    return PhaseBoard(path), PhaseDeadline(path, GuardConfig(**guard), clock=clock)
+
+
+def test_the_phase_deadline_stops_a_phase_that_makes_no_progress(tmp_path):
+    """The trainer's record (PhaseBoard) and the driver's deadline (PhaseDeadline) on a real file, with a clock the
+    test moves: nothing is measured before the first record; each change of the record starts the clock again."""
+    clock = Clock()
+    board, deadline = _deadline(tmp_path, clock, max_phase_s=30)
+    clock.now += 1000
+    assert deadline.check() is None  # no record yet: start-up has no deadline
+    board.enter(2, "generation", "1 agent-loop worker")
+    assert deadline.check() is None
+    clock.now += 29
+    board.progress()  # a poll of the watched sample wait
+    clock.now += 29
+    assert deadline.check() is None
+    with board.phase(2, "update", "1 update worker"):
+        assert deadline.check() is None
+        clock.now += 30
+        assert deadline.check() is None  # at the bound, not past it
+        clock.now += 1.5
+        stop = deadline.check()
+    assert isinstance(stop, PhaseStalled) and stop.exit_status == EXIT_PHASE_STALLED
+    assert str(stop) == (
+        "step 2: the phase 'update' has run for 32 s with no progress > run_guard.max_phase_s=30; it waits on 1 "
+        "update worker"
+    )
+    assert deadline.check() is None  # the phase ended: the record changed
+    board.pause("training ended")
+    clock.now += 1000
+    assert deadline.check() is None
+
+
+def test_a_save_whose_folder_grows_is_progress(tmp_path):
+    clock = Clock()
+    board, deadline = _deadline(tmp_path, clock, max_phase_s=30)
+    saving = tmp_path / "global_step_3"
+    saving.mkdir()
+    board.enter(3, "save", "1 update worker", folder=saving)
+    assert deadline.check() is None
+    for part in range(3):
+        clock.now += 20
+        (saving / f"part{part}").write_bytes(b"x" * 10)
+        assert deadline.check() is None
+    clock.now += 31
+    assert "step 3: the phase 'save' has run for 31 s" in str(deadline.check())
+
+
+def test_after_sigterm_a_stalled_phase_ends_within_the_shorter_bound(tmp_path):
+    clock = Clock()
+    board, deadline = _deadline(tmp_path, clock, max_phase_s=1800, max_stall_after_stop_s=60)
+    board.enter(5, "weight sync", "1 update worker, 1 rollout server")
+    assert deadline.check() is None
+    clock.now += 100
+    deadline.request_stop()
+    clock.now += 60
+    assert deadline.check() is None
+    clock.now += 1
+    stop = deadline.check()
+    assert isinstance(stop, StalledAfterStop) and stop.exit_status == EXIT_STALLED_AFTER_STOP
+    assert str(stop).startswith(
+        "step 5: stop requested (SIGTERM) during the phase 'weight sync', and no phase ended and no progress for 61 s "
+        "after it > run_guard.max_stall_after_stop_s=60; it waits on 1 update worker, 1 rollout server: ended "
+        "without saving step 5"
+    ), stop
+
+
+def test_the_phase_deadline_thread_interrupts_with_its_stop(tmp_path, monkeypatch):
+    """The thread the driver runs: a stale record stops it at its first check, and it calls ``on_stop`` once."""
+    import threading
+
+    from respo_verl.run import watchdog
+
+    monkeypatch.setattr(watchdog, "PHASE_CHECK_INTERVAL_S", 0.01)
+    clock = Clock()
+    board, deadline = _deadline(tmp_path, clock, max_phase_s=5)
+    board.enter(1, "old log-probs", "2 update workers")
+    deadline.check()
+    clock.now += 6
+    fired = threading.Event()
+    thread = deadline.start(on_stop=fired.set)
+    assert fired.wait(5) and "the phase 'old log-probs'" in str(deadline.stopped)
+    thread.join(5)
+    assert not thread.is_alive()
+    deadline.close()
+
+
+def test_waits_on_counts_the_actors_of_a_phase_by_role():
+    """verl's trainer attributes that ``waits_on`` reads, as plain objects (a real trainer needs a whole Ray run:
+    tests/cpu/test_cpu_hangs.py names them end to end)."""
+    from types import SimpleNamespace
+
+    from respo_verl.run.watchdog import BETWEEN_PHASES, GENERATION_ACTORS, waits_on
+
+    actor = SimpleNamespace(world_size=2)
+    trainer = SimpleNamespace(
+        actor_rollout_wg=actor,
+        ref_policy_wg=actor,
+        agent_loop_manager=SimpleNamespace(agent_loop_workers=["a"]),
+        reward_loop_manager=SimpleNamespace(reward_loop_workers=["r", "r"]),
+        llm_server_manager=SimpleNamespace(server_handles=["s"], global_load_balancer="b"),
+    )
+    assert waits_on(trainer, "update worker", "rollout server") == "2 update workers, 1 rollout server"
+    assert waits_on(trainer, "reference worker") == "2 update workers"  # the reference lives in the update workers
+    assert waits_on(trainer, *GENERATION_ACTORS) == (
+        "1 agent-loop worker, 2 reward workers, 1 rollout server, 1 rollout load balancer"
+    )
+    assert waits_on(trainer, "critic worker") == BETWEEN_PHASES
