@@ -69,6 +69,10 @@ def test_megatron_checkpoints_save_on_cpu_and_a_relaunch_resumes_exactly_with_r2
 
     run = tmp_path / "run"
     _, reference = launch(run, 4)
+    # R2 at N = 2: the drift of each update index j on its own (j = 0 replays π_old's own routes), and their mean.
+    for line in reference:
+        per_j = [line["data"].get(f"actor/routing/by_update/j{j}/flip_frac") for j in range(3)]
+        assert per_j[0] == 0.0 and per_j[2] is None and line["data"]["actor/routing/flip_frac"] == per_j[1] / 2, line
     assert (run / "ckpt" / "global_step_2" / "actor" / "optimizer").is_dir()
     # Back to the moment after step 2's checkpoint: global_step_4 and the log's steps 3 and 4 were not written yet.
     assert (run / "ckpt" / TRACKER).read_text().strip() == "4"
