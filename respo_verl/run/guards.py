@@ -5,6 +5,24 @@ A check is a method of :class:`StepGuards` that reads ``(metrics, step)`` and ra
 :class:`respo_verl.run.stops.RunStopped` naming the metric, its value, the bound and the step; :attr:`StepGuards.checks`
 lists them in the order they run. The respo-verl trainer (:mod:`respo_verl.run.trainer`) runs them on every step's
 metrics, after verl has computed them and before it logs them. Imports neither verl nor Ray.
+
+Two guards check that the run trains on what its sampler produced, and each can be set to stop, warn or be off
+(:data:`GUARD_MODES`); a guard set to warn prints one line per step it trips in and counts its warnings in the log
+(:data:`WARNINGS_KEY`):
+
+- **sampler agreement** (``run_guard.sampler_agreement``): verl's ``training/rollout_probs_diff_*`` compare, token by
+  token, the sampler's probabilities with the trainer's ``old_log_prob``, computed before the step's first update,
+  with the weights the sampler was given: the on-policy part of every step. A sampler that did not get the
+  trainer's weights, or computes another model, shows here in the step it happens.
+- **routing replay** (``run_guard.routing_replay``, with ``router_replay.mode`` R2 or R3): the route-drift metrics
+  (``actor/routing/...``) must show replayed routes in every pass that replays (R3: ``compute_log_prob`` and the
+  update; R2: the update), and under R3 the share of tokens whose replayed route the trainer's own router rejects at
+  ``compute_log_prob`` (``flip_frac`` of a layer) must stay below a bound. Routes that are all zero count as none
+  (the route-drift engine takes them for verl's padding); routes out of range are refused by the engine itself.
+
+The routes' presence is checked before the agreement and the agreement before the rejected share, so that a stop
+names the first cause: missing routes also make the probabilities disagree, and weights that never reached the
+sampler also move its routes.
 """
 
 from __future__ import annotations
@@ -26,6 +44,16 @@ ENTROPY_KEY = "actor/entropy"
 ADVANTAGE_KEYS = ("critic/advantages/max", "critic/advantages/min")
 # The kernel losses' share of sequences whose log W sits at the clamp, under actor/<loss>/.
 CLAMP_SUFFIX = "/clamp_frac"
+# What a guard does when it trips (the sampler-agreement and routing-replay guards; the others always stop).
+GUARD_MODES = ("stop", "warn", "off")
+# verl's comparison of the sampler's and the trainer's token probabilities (trainer/ppo/metric_utils.py).
+PROBS_DIFF_MAX_KEY = "training/rollout_probs_diff_max"
+PROBS_DIFF_MEAN_KEY = "training/rollout_probs_diff_mean"
+# The route-drift engine's metrics (respo_verl/routing): the update pass, and compute_log_prob (old log-probs).
+ROUTING_PREFIX = "actor/routing"
+LOG_PROB_PASS = "compute_log_prob"
+# Warnings of a guard set to warn, counted from the run's first step: WARNINGS_KEY/<guard> and their sum.
+WARNINGS_KEY = "respo_verl/guard_warnings"
 
 
 @dataclass(frozen=True)
@@ -47,6 +75,12 @@ class GuardConfig:
         max_phase_s: the watchdog's phase deadline, measured by the driver: a phase of a step (generation, old
             log-probs, the update, the weight sync, the save, ...) in which nothing ends and nothing progresses
             for this long stops the run (:class:`respo_verl.run.watchdog.PhaseDeadline`).
+        sampler_agreement: ``stop``, ``warn`` or ``off``: the sampler-agreement guard (module docstring).
+        max_probs_diff_max: the largest ``training/rollout_probs_diff_max`` tolerated (None: not checked).
+        max_probs_diff_mean: the largest ``training/rollout_probs_diff_mean`` tolerated (None: not checked).
+        routing_replay: ``stop``, ``warn`` or ``off``: the routing-replay guard (module docstring).
+        max_route_reject_share: under R3, the largest share of a layer's replayed tokens whose route the trainer's
+            router rejects at ``compute_log_prob`` (the layer's ``flip_frac`` there).
     """
 
     enable: bool = True
@@ -57,8 +91,27 @@ class GuardConfig:
     max_stall_s: float = 3600.0
     max_stall_after_stop_s: float = 300.0
     max_phase_s: float = 1800.0
+    sampler_agreement: str = "stop"
+    max_probs_diff_max: float | None = None
+    max_probs_diff_mean: float | None = 0.05
+    routing_replay: str = "stop"
+    max_route_reject_share: float = 0.3
 
     def __post_init__(self) -> None:
+        for name in ("sampler_agreement", "routing_replay"):
+            if getattr(self, name) not in GUARD_MODES:
+                raise ValueError(f"run_guard.{name}={getattr(self, name)!r} must be one of {', '.join(GUARD_MODES)}")
+        for name in ("max_probs_diff_max", "max_probs_diff_mean"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"run_guard.{name}={value} must be in [0, 1] (a difference of probabilities) or null")
+        if self.sampler_agreement != "off" and self.max_probs_diff_max is None and self.max_probs_diff_mean is None:
+            raise ValueError(
+                f"run_guard.sampler_agreement={self.sampler_agreement} needs a bound: set run_guard.max_probs_diff_max "
+                "or run_guard.max_probs_diff_mean (or sampler_agreement=off)"
+            )
+        if not 0.0 <= float(self.max_route_reject_share) <= 1.0:
+            raise ValueError(f"run_guard.max_route_reject_share={self.max_route_reject_share} must be in [0, 1]")
         for name in ("max_failed_share", "max_clamp_share"):
             value = getattr(self, name)
             if not 0.0 <= float(value) <= 1.0:
@@ -88,20 +141,121 @@ class StepGuards:
     further guard on a step's metrics is one more method added to that list.
     """
 
-    def __init__(self, config: GuardConfig) -> None:
+    def __init__(self, config: GuardConfig, routing_replay: str | None = None, sampler_log_probs: bool = True) -> None:
+        """``routing_replay``: the run's ``router_replay.mode`` (``R2``, ``R3``; None or ``disabled``: no replay).
+        ``sampler_log_probs``: the run's ``rollout.calculate_log_probs``; the sampler-agreement guard needs them, and
+        verl computes ``training/rollout_probs_diff_*`` on every step that has them."""
+        if config.enable and config.sampler_agreement != "off" and not sampler_log_probs:
+            raise ValueError(
+                f"run_guard.sampler_agreement={config.sampler_agreement} compares the sampler's log-probs with the "
+                "trainer's, but actor_rollout_ref.rollout.calculate_log_probs=false: set it to true (verl's default) "
+                "or run_guard.sampler_agreement=off"
+            )
         self.config = config
+        self.routing_replay = None if routing_replay in (None, "disabled") else str(routing_replay).upper()
         self._quiet_steps = 0
+        self.warnings: dict[str, int] = {}
         self.checks: list[Callable[[dict[str, Any], int], None]] = [
             self.check_failed_samples,
+            self.check_replayed_routes,
+            self.check_sampler_agreement,
+            self.check_route_rejects,
             self.check_clamp_share,
             self.check_collapse,
         ]
 
     def check(self, metrics: dict[str, Any], step: int) -> None:
+        """Run every check on ``metrics`` of ``step``; a guard set to warn adds its counts to ``metrics``."""
         if not self.config.enable:
             return
         for check in self.checks:
             check(metrics, step)
+        if self.warnings:
+            metrics.update({f"{WARNINGS_KEY}/{name}": float(count) for name, count in self.warnings.items()})
+            metrics[WARNINGS_KEY] = float(sum(self.warnings.values()))
+
+    def _trip(self, guard: str, mode: str, message: str) -> None:
+        """Stop with ``message``, or (``mode`` warn) print it as one line and count it."""
+        if mode == "stop":
+            raise RunStopped(message)
+        self.warnings[guard] = self.warnings.get(guard, 0) + 1
+        print(f"respo-verl: WARNING: run_guard.{guard}=warn: {message}", flush=True)
+
+    def check_replayed_routes(self, metrics: dict[str, Any], step: int) -> None:
+        mode = self.config.routing_replay
+        if mode == "off" or self.routing_replay is None:
+            return
+        passes = {"R3": (LOG_PROB_PASS, "update"), "R2": ("update",)}.get(self.routing_replay, ())
+        for name in passes:
+            key = (
+                f"{ROUTING_PREFIX}/replayed_tokens" if name == "update" else f"{ROUTING_PREFIX}/{name}/replayed_tokens"
+            )
+            value = metrics.get(key)
+            if value is None:
+                self._trip(
+                    "routing_replay",
+                    mode,
+                    f"step {step}: router_replay.mode={self.routing_replay} but {key} is missing: the route-drift "
+                    f"engine did not run (select it with routing={self.routing_replay.lower()}), so replay is "
+                    "unchecked",
+                )
+            elif value <= 0:
+                source = (
+                    "the sampler's routes (rollout.enable_rollout_routing_replay)"
+                    if name == LOG_PROB_PASS
+                    else (
+                        "the routes recorded at compute_log_prob"
+                        if self.routing_replay == "R2"
+                        else "the sampler's routes"
+                    )
+                )
+                self._trip(
+                    "routing_replay",
+                    mode,
+                    f"step {step}: {key}={value:g} with router_replay.mode={self.routing_replay}: the {name} pass "
+                    f"replayed no route; {source} were missing or all zero (a sampler that returns no routes, e.g. "
+                    "a MoE kernel that skips vLLM's capture hook), and the trainer routed on its own",
+                )
+
+    def check_sampler_agreement(self, metrics: dict[str, Any], step: int) -> None:
+        c = self.config
+        if c.sampler_agreement == "off":
+            return
+        for key, bound, name in (
+            (PROBS_DIFF_MAX_KEY, c.max_probs_diff_max, "max_probs_diff_max"),
+            (PROBS_DIFF_MEAN_KEY, c.max_probs_diff_mean, "max_probs_diff_mean"),
+        ):
+            if bound is None:
+                continue
+            value = metrics.get(key)
+            if value is not None and value > bound:
+                self._trip(
+                    "sampler_agreement",
+                    c.sampler_agreement,
+                    f"step {step}: {key}={value:.3g} > run_guard.{name}={bound:g}: the sampler's token probabilities "
+                    "disagree with the trainer's before its first update of the step; usually the weights did not "
+                    "all reach the sampler (names its loader skipped, a failed sync), or sampler and trainer compute "
+                    "different models (dtype, kernels, routes)",
+                )
+
+    def check_route_rejects(self, metrics: dict[str, Any], step: int) -> None:
+        mode = self.config.routing_replay
+        if mode == "off" or self.routing_replay != "R3":
+            return
+        prefix = f"{ROUTING_PREFIX}/{LOG_PROB_PASS}/flip_frac/layer_"
+        shares = {int(k[len(prefix) :]): v for k, v in metrics.items() if k.startswith(prefix) and v is not None}
+        if not shares:
+            return  # no replayed token in this step: check_replayed_routes has said so
+        layer, share = max(shares.items(), key=lambda item: (item[1], -item[0]))
+        bound = self.config.max_route_reject_share
+        if share > bound:
+            self._trip(
+                "routing_replay",
+                mode,
+                f"step {step}: layer {layer}: {share:.3f} of the replayed tokens' routes are not the trainer's "
+                f"router's top-k at compute_log_prob ({prefix}{layer}) > run_guard.max_route_reject_share={bound:g}: "
+                "the sampler's routes belong to other weights or another model",
+            )
 
     def check_failed_samples(self, metrics: dict[str, Any], step: int) -> None:
         c = self.config

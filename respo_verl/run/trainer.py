@@ -40,6 +40,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from respo_verl.patches import Patch
 from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, GuardConfig, StepGuards, failed_sample_metrics
 from respo_verl.run.stops import NonFinite, RunStopped, stop_for_error
@@ -122,7 +124,10 @@ def _trainer_class() -> type:
 
         def __init__(self, config, *args, **kwargs):
             guard = GuardConfig.from_config(config.get("run_guard"))
-            self._guards = StepGuards(guard)
+            replay = OmegaConf.select(config, "actor_rollout_ref.actor.megatron.router_replay.mode", default=None)
+            megatron = OmegaConf.select(config, "actor_rollout_ref.actor.strategy") == "megatron"
+            log_probs = OmegaConf.select(config, "actor_rollout_ref.rollout.calculate_log_probs", default=True)
+            self._guards = StepGuards(guard, routing_replay=replay if megatron else None, sampler_log_probs=log_probs)
             # The run's identity before verl adds its own keys (optimizer step counts, TransferQueue) to the config.
             self._run = checkpoint.identity(config)
             verl_0_9_1.FILE_LOGGER_APPEND.apply()
