@@ -8,6 +8,8 @@ one setting share it and a changed learning rate does not.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,6 +17,20 @@ from respo_verl import algorithms
 from respo_verl.tools.runs.logs import LOG_STEPS
 
 MANIFEST_NAME = "manifest.jsonl"
+
+# A run or model name becomes a file name (logs, outputs) and a folder name (checkpoints): one plain name.
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_name(name: str, what: str) -> str:
+    """``name`` when it is a plain file name (letters, digits, ``.``, ``_``, ``-``; not starting with ``.``), else
+    ValueError naming ``what`` (``..`` or a separator would put its files outside the sweep's folder)."""
+    if not isinstance(name, str) or not name or name.startswith(".") or not set(name) <= _NAME_CHARS:
+        raise ValueError(
+            f"{what} {name!r} is not a plain name (letters, digits, '.', '_' and '-', not starting with '.'): it "
+            "names files and folders of the sweep"
+        )
+    return name
 
 
 @dataclass
@@ -54,6 +70,7 @@ class RunRecord:
     log_step: str = "training"
 
     def __post_init__(self) -> None:
+        check_name(self.name, "run name")
         if self.algorithm not in algorithms.NAMES:
             raise ValueError(
                 f"run {self.name}: algorithm must be one of {', '.join(algorithms.NAMES)}, got {self.algorithm!r}"
@@ -78,10 +95,22 @@ class RunRecord:
 
 
 def write_manifest(records: list[RunRecord], directory: Path) -> Path:
-    """Write ``records`` to ``directory/manifest.jsonl`` (replacing it) and return the path."""
+    """Write ``records`` to ``directory/manifest.jsonl`` (replacing it) and return the path.
+
+    The file is written beside and renamed over the old one: a reader never sees half of it, and a symbolic link
+    planted under its name is replaced, not written through.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / MANIFEST_NAME
-    path.write_text("".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in records))
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write("".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in records))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

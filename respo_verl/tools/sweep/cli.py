@@ -17,7 +17,7 @@ from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_R
 from respo_verl.tools.runs.manifest import write_manifest
 from respo_verl.tools.runs.options import reuse_list, seed_list, split_overrides
 from respo_verl.tools.sweep.grid import ROUTING_MODES, SweepSpec, expand
-from respo_verl.tools.sweep.local import SweepBusy, run_locally, summary
+from respo_verl.tools.sweep.local import SweepBusy, folder_lock, run_locally, summary
 from respo_verl.tools.sweep.rayjobs import run_on_ray
 from respo_verl.tools.sweep.runner import (
     ClusterError,
@@ -28,6 +28,7 @@ from respo_verl.tools.sweep.runner import (
     is_complete,
     replace_sweep,
     shell_line,
+    stale_files,
 )
 
 USAGE_ERROR = 2
@@ -118,13 +119,23 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:  # bad settings (SweepSpec), or a run that does not compose or pass check_job
         return _error(str(exc))
     try:
-        if args.force:
-            moved = replace_sweep(records, args.out)
+        if args.force and args.print_only:  # --print runs nothing and moves nothing: it says what a sweep would move
+            stale = stale_files(records, args.out, args.checkpoints)
+            if stale:
+                for name, path in stale:
+                    print(f"# --force would move {path} (run {name})", file=sys.stderr)
+                return _error(
+                    f"--force --print: {len(stale)} files of runs that differ are in --out {args.out}; --print moves "
+                    "nothing and keeps the manifest: run with --force but without --print to move them"
+                )
+        elif args.force and args.out.is_dir():
+            with folder_lock(args.out, print, wait=False):  # never while a sweep or its run uses the files
+                moved = replace_sweep(records, args.out, args.checkpoints)
             if moved is not None:
                 print(f"--force: the files of the runs that differ moved to {moved}", file=sys.stderr)
-        else:
+        elif not args.force:
             check_same_sweep(records, args.out)
-    except SweepConflict as exc:
+    except (SweepConflict, SweepBusy) as exc:
         return _error(str(exc))
     except OSError as exc:
         return _error(f"--out {args.out}: cannot move the files of the runs that differ ({exc})")

@@ -18,7 +18,7 @@ from pathlib import Path
 from respo_verl.algorithms import ALGORITHMS
 from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
 from respo_verl.run.compose import ComposeError, compose_job
-from respo_verl.tools.runs.manifest import RunRecord
+from respo_verl.tools.runs.manifest import RunRecord, check_name
 
 ENTRY_MODULES = {"respo": "respo_verl.main_ppo", "verl": "verl.trainer.main_ppo"}  # python -m <module>
 # The interpreter of a run's command: the cluster's ``python``, so that a printed line can be pasted there (a local
@@ -82,6 +82,7 @@ class SweepSpec:
     checkpoints: Path | None = None
 
     def __post_init__(self) -> None:
+        check_name(self.model, "--model")
         if any(_key(o) == CHECKPOINT_KEY for o in self.base_overrides):
             raise ValueError(
                 f"{CHECKPOINT_KEY} is set per run by the sweep (<checkpoint root>/<run name>, so that a run resumes "

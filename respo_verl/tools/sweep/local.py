@@ -20,13 +20,13 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import fcntl
 import json
 import os
 import signal
+import stat
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -44,7 +44,6 @@ LOCK_NAME = "sweep.lock"
 TAIL_LINES = 20
 TAIL_WIDTH = 400
 POLL_S = 1.0
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class SweepBusy(RuntimeError):
@@ -83,27 +82,55 @@ def _write_holder(fd: int, holder: dict) -> None:
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
 
 
+def _open_lock(path: Path) -> int:
+    """Open (or create) the lock file itself: never through a symbolic link (whose target the holder line would
+    overwrite), and only a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if path.is_symlink():
+            raise SweepBusy(f"{path} is a symbolic link; the sweep writes its lock through none: remove it") from None
+        raise SweepBusy(f"cannot open {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SweepBusy(f"{path} is not a regular file; remove it")
+    return fd
+
+
+def _holder(fd: int) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
 @contextmanager
-def folder_lock(out_dir: Path, echo) -> Iterator[int]:
+def folder_lock(out_dir: Path, echo, wait: bool = True) -> Iterator[int]:
     """Hold ``out_dir/sweep.lock`` (see the module docstring); yields its file descriptor, which a run inherits.
 
+    With ``wait`` (a sweep that runs), a lock held only by the run of a stopped sweep is waited for; without it
+    (``--force``, which moves files) any holder refuses.
+
     Raises:
-        SweepBusy: a live sweep holds it.
+        SweepBusy: a live sweep holds it (or, without ``wait``, any process does), or it is not a regular file.
     """
     path = out_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            try:
-                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except json.JSONDecodeError:
-                holder = {}
+            holder = _holder(fd)
             sweep_pid = holder.get("sweep_pid")
             if isinstance(sweep_pid, int) and _alive(sweep_pid):
                 raise SweepBusy(
                     f"another sweep (pid {sweep_pid}) is running in {out_dir}; wait for it or stop it"
+                ) from None
+            if not wait:
+                raise SweepBusy(
+                    f"{path} is held by run {holder.get('run', '?')} (pid {holder.get('run_pid', '?')}) of a stopped "
+                    "sweep, which saves at the end of its current step: --force moves nothing until it has ended"
                 ) from None
             echo(
                 f"waiting for run {holder.get('run', '?')} (pid {holder.get('run_pid', '?')}) of a sweep that was "
@@ -125,6 +152,7 @@ class _Interrupts:
         self.signum: int | None = None
         self.child: subprocess.Popen | None = None
         self.run = ""
+        self._term: list[subprocess.Popen] = []
         self._saved: dict[int, object] = {}
 
     def install(self) -> None:
@@ -137,17 +165,36 @@ class _Interrupts:
         for signum, handler in self._saved.items():
             signal.signal(signum, handler)
 
+    def attach(self, child: subprocess.Popen, run: str) -> None:
+        """From now on an interrupt stops ``child``; one that came before (between the sweep's last look and the
+        start of ``child``) stops it now."""
+        self._term = [child]  # taken by exactly one of attach and _handle: list.pop is atomic for a signal handler
+        self.child, self.run = child, run
+        if self.signum is not None:
+            self._stop(self.signum)
+
+    def detach(self) -> None:
+        self.child, self._term = None, []
+
+    def _stop(self, signum: int) -> None:
+        try:
+            child = self._term.pop()
+        except IndexError:
+            return  # already asked to stop, or no run
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            self.messages.append(
+                f"{signal.Signals(signum).name}: stopping {self.run}, which saves at the end of its current step "
+                "(interrupt again to kill it now); run the same command to resume"
+            )
+
     def _handle(self, signum, frame) -> None:
-        child = self.child
         if self.signum is None:
             self.signum = signum
-            if child is not None and child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-                self.messages.append(
-                    f"{signal.Signals(signum).name}: stopping {self.run}, which saves at the end of its current step "
-                    "(interrupt again to kill it now); run the same command to resume"
-                )
-        elif child is not None and child.poll() is None:
+            self._stop(signum)
+            return
+        child = self.child
+        if child is not None and child.poll() is None:
             child.kill()
             self.messages.append(f"{signal.Signals(signum).name} again: killed {self.run}")
 
@@ -156,25 +203,25 @@ class _Interrupts:
             self.echo(self.messages.pop(0))
 
 
-def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "prctl") else None
+# The run's first program, in place of a pre-exec function (which is unsafe once the progress bar's thread runs):
+# it asks the kernel for SIGTERM when the sweep dies (PR_SET_PDEATHSIG, kept across exec), ends at once when the
+# sweep died before that, and then becomes the run (exec, same pid). Stdlib only, so that it takes milliseconds.
+_START_RUN = """
+import ctypes, ctypes.util, os, signal, sys
+parent = int(sys.argv[1])
+try:
+    ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass  # no prctl (not Linux): the sweep's own handlers still stop the run
+if os.getppid() != parent:
+    sys.exit(128 + signal.SIGTERM)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
-def _child_setup(libc, parent: int):
-    """The run's pre-exec: SIGTERM when the sweep dies (Linux), so that a killed sweep leaves no run behind."""
-
-    def setup() -> None:
-        if libc is not None:
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-            if os.getppid() != parent:  # the sweep died before the line above
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    return setup
+def start_command(command: list[str], parent: int) -> list[str]:
+    """``command`` started through :data:`_START_RUN`, which ties it to the sweep ``parent``."""
+    return [sys.executable, "-c", _START_RUN, str(parent), *command]
 
 
 def _ended(returncode: int) -> str:
@@ -215,7 +262,6 @@ def _run_one(
     output = output_path(record, out_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     steps = record.last_log_step
-    libc = _libc()
     with output.open("ab") as fh:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         fh.write(f"=== respo-verl sweep, {stamp}: {shell_line(record)}\n".encode())
@@ -223,23 +269,22 @@ def _run_one(
         offset_run = fh.tell()
         progress.write(f"run {index} of {progress.runs}: {record.name} (output: {output})")
         process = subprocess.Popen(
-            local_command(record),
+            start_command(local_command(record), os.getpid()),
             env={**os.environ, **record.env},
             stdin=subprocess.DEVNULL,
             stdout=fh,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C at the terminal reaches the sweep, which stops the run in order
             pass_fds=(lock_fd,),
-            preexec_fn=_child_setup(libc, os.getpid()),
         )
-    interrupts.child, interrupts.run = process, record.name
+    interrupts.attach(process, record.name)
     _write_holder(lock_fd, {"sweep_pid": os.getpid(), "run": record.name, "run_pid": process.pid})
     while process.poll() is None:
         interrupts.flush()
         logged = logged_steps(record, out_dir)
         progress.update(index, record.name, logged, steps, others_done + logged)
         time.sleep(POLL_S)
-    interrupts.child = None
+    interrupts.detach()
     logged = logged_steps(record, out_dir)
     progress.update(index, record.name, logged, steps, others_done + logged)
     interrupts.flush()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 import shlex
 import shutil
 import socket
@@ -13,11 +14,17 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from respo_verl.tools.runs.logs import LogError, read_log
-from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, read_manifest
+from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, check_name, read_manifest
 
 # How long the reachability probe of a Ray address waits for a TCP connection: a refused port answers at once, a
 # dead host is not worth Ray's own 40 s of GCS retries.
 PROBE_TIMEOUT_S = 5.0
+# Where Ray (2.52 and later) looks for a cluster's token, highest precedence first: the token itself, a file naming
+# it, and the default file (docs/cluster.md, "Security").
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+DEFAULT_TOKEN_PATH = Path("~/.ray/auth_token")
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 class ClusterError(RuntimeError):
@@ -100,15 +107,57 @@ def check_reachable(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         raise ClusterError(f"cannot reach the Ray cluster at {address}: {cause}") from None
 
 
+def ray_token(environ=None) -> str | None:
+    """The Ray cluster token this machine holds, where Ray itself looks for it (:data:`TOKEN_ENV`, then the file
+    :data:`TOKEN_PATH_ENV` names, then :data:`DEFAULT_TOKEN_PATH`), or None: none found, or ``RAY_AUTH_MODE`` is
+    ``disabled``.
+
+    Raises:
+        ClusterError: ``RAY_AUTH_TOKEN_PATH`` names a file that cannot be read or is empty (Ray refuses that too).
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(AUTH_MODE_ENV, "").lower() == "disabled":
+        return None
+    if environ.get(TOKEN_ENV, "").strip():
+        return environ[TOKEN_ENV].strip()
+    named = environ.get(TOKEN_PATH_ENV)
+    path = Path(named).expanduser() if named else DEFAULT_TOKEN_PATH.expanduser()
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        if named:
+            raise ClusterError(f"{TOKEN_PATH_ENV}={named}: no such file") from None
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ClusterError(f"cannot read the Ray token file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not token and named:
+        raise ClusterError(f"{TOKEN_PATH_ENV}={named}: the file is empty")
+    return token or None
+
+
+def auth_headers(environ=None) -> dict[str, str]:
+    """The header that carries the cluster's token to its dashboard (Ray's bearer token), or none without one."""
+    token = ray_token(environ)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def connect(address: str):
-    """Ray's JobSubmissionClient for ``address``, or :class:`ClusterError` naming the address and the cause."""
+    """Ray's JobSubmissionClient for ``address``, sending the token of :func:`ray_token` when there is one; or
+    :class:`ClusterError` naming the address and the cause."""
     check_reachable(address)
+    headers = auth_headers()
     from ray.job_submission import JobSubmissionClient
 
     try:
-        return JobSubmissionClient(address)
+        return JobSubmissionClient(address, headers=headers or None)
     except Exception as exc:  # ConnectionError (dashboard), ray.exceptions.RpcError (GCS), ValueError (address)
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if any(code in cause for code in ("401", "403", "Unauthorized", "Forbidden", "Authentication")):
+            sent = "its token was refused" if headers else "no token was found here"
+            cause = (
+                f"the cluster wants a token and {sent} (set {TOKEN_ENV} or {TOKEN_PATH_ENV} to the head's token, "
+                f"docs/cluster.md, Security): {cause}"
+            )
         raise ClusterError(f"cannot reach the Ray cluster at {address}: {cause}") from None
 
 
@@ -157,12 +206,50 @@ def check_same_sweep(records: list[RunRecord], out_dir: Path) -> None:
         )
 
 
-def replace_sweep(records: list[RunRecord], out_dir: Path) -> Path | None:
-    """Under ``--force``: move the files of every run of ``out_dir``'s manifest that is not one of ``records``
-    unchanged (its log, its output and its checkpoint folder) to ``out_dir/replaced-<UTC time>/``, so that no run of
-    the new sweep is skipped or resumed on another configuration's files. Returns that folder, or None when nothing
-    was moved."""
+def inside(path: Path, root: Path) -> bool:
+    """Whether ``path``, symbolic links resolved, lies in ``root`` (resolved too)."""
+    return Path(path).resolve().is_relative_to(Path(root).resolve())
+
+
+def _checkpoint_dirs(record: RunRecord) -> list[Path]:
+    return [Path(a.split("=", 1)[1]) for a in record.command if a.startswith("trainer.default_local_dir=")]
+
+
+def run_files(record: RunRecord, out_dir: Path, roots: tuple[Path, ...]) -> list[Path]:
+    """The files a run of a manifest owns (its log, its output, its checkpoint folder) that exist; each must lie in
+    one of ``roots`` (``--out`` and the sweep's checkpoint root), symbolic links resolved.
+
+    Raises:
+        SweepConflict: a path leaves every root (a planted or foreign manifest), or the run's name is not a plain name.
+    """
+    try:
+        check_name(record.name, "run name")
+    except ValueError as exc:
+        raise SweepConflict(f"--out {out_dir}: its manifest has a {exc}") from None
+    log = log_path(record, out_dir)
+    files = []
+    for source in [log, log.with_suffix(".out"), *_checkpoint_dirs(record)]:
+        if not source.exists() and not source.is_symlink():
+            continue
+        if source.is_symlink() or not any(inside(source, root) for root in roots):
+            raise SweepConflict(
+                f"--out {out_dir}: its manifest names {source} for run {record.name}, which is a symbolic link or "
+                f"lies outside {' and '.join(map(str, roots))}; --force moves nothing outside the sweep's own folders"
+            )
+        files.append(source)
+    return files
+
+
+def stale_files(records: list[RunRecord], out_dir: Path, checkpoints: Path | None = None) -> list[tuple[str, Path]]:
+    """What ``--force`` moves: (run name, path) of every existing file of a run of ``out_dir``'s manifest that is
+    not one of ``records`` unchanged, and of every run of ``records`` the manifest does not have.
+
+    ``checkpoints`` is the sweep's checkpoint root (default ``out_dir/checkpoints``); nothing outside it and
+    ``out_dir`` is ever named. Raises :class:`SweepConflict` as :func:`run_files` does.
+    """
     path = out_dir / MANIFEST_NAME
+    if path.is_symlink():
+        raise SweepConflict(f"--out {out_dir}: {path} is a symbolic link; --force reads no manifest through one")
     try:
         old = read_manifest(path) if path.is_file() else []
     except ValueError:
@@ -170,15 +257,19 @@ def replace_sweep(records: list[RunRecord], out_dir: Path) -> Path | None:
     new = {r.name: r for r in records}
     stale = [r for r in old if r.name not in new or _differs(r, new[r.name])]
     stale += [r for r in records if r.name not in {o.name for o in old}]
+    roots = (out_dir, checkpoints if checkpoints is not None else out_dir / "checkpoints")
+    return [(record.name, source) for record in stale for source in run_files(record, out_dir, roots)]
+
+
+def replace_sweep(records: list[RunRecord], out_dir: Path, checkpoints: Path | None = None) -> Path | None:
+    """Under ``--force``: move the files :func:`stale_files` names to ``out_dir/replaced-<UTC time>/<run>/``, so
+    that no run of the new sweep is skipped or resumed on another configuration's files. Returns that folder, or
+    None when nothing was moved. The caller holds the folder's lock (:func:`respo_verl.tools.sweep.local.folder_lock`).
+    """
+    files = stale_files(records, out_dir, checkpoints)
     moved_to = out_dir / f"replaced-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
-    moved = False
-    for record in stale:
-        log = log_path(record, out_dir)
-        checkpoints = [a.split("=", 1)[1] for a in record.command if a.startswith("trainer.default_local_dir=")]
-        for source in [log, log.with_suffix(".out"), *map(Path, checkpoints)]:
-            if source.exists():
-                target = moved_to / record.name / source.name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(source), str(target))
-                moved = True
-    return moved_to if moved else None
+    for name, source in files:
+        target = moved_to / name / source.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(source), str(target))
+    return moved_to if files else None

@@ -20,6 +20,7 @@ from respo_verl.cli import main as cli_main
 from respo_verl.run.compose import compose_job
 from respo_verl.tools.runs.manifest import read_manifest
 from respo_verl.tools.sweep.grid import SweepSpec, expand
+from respo_verl.tools.sweep.runner import replace_sweep
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -264,17 +265,18 @@ def test_force_moves_the_files_of_the_runs_that_differ_aside(tmp_path, capsys):
         (out / "logs" / f"{name}.jsonl").write_text(json.dumps({"step": 1, "data": {"x": 1.0}}) + "\n")
         (out / "logs" / f"{name}.out").write_text("output\n")
         (out / "checkpoints" / name / "global_step_1").mkdir(parents=True)
-    capsys.readouterr()
-    changed = [*SMALL_GRID[:-1], "0", "--no-compose", "--out", str(out), "--force", "--", "trainer.nnodes=2"]
-    assert cli_main(changed) == 0
-    (moved,) = out.glob("replaced-*")
-    assert f"--force: the files of the runs that differ moved to {moved}" in capsys.readouterr().err
+    # What `sweep --force` does before it runs the changed grid (a sweep that runs is test_sweep_cpu.py's; --print
+    # moves nothing, test_sweep_safety.py)
+    changed = SweepSpec(
+        algorithms=("respo",), reuse=(8,), seeds=(0,), out_dir=out, base_overrides=("trainer.nnodes=2",)
+    )
+    moved = replace_sweep(expand(changed, compose=False), out)
+    assert [moved] == list(out.glob("replaced-*"))
     for seed in (0, 1):  # seed 1 is no longer in the grid, seed 0 has another configuration
         name = f"model-respo-n8-s{seed}"
         assert sorted(p.name for p in (moved / name).iterdir()) == [name, f"{name}.jsonl", f"{name}.out"]
         assert (moved / name / name / "global_step_1").is_dir()
         assert not (out / "logs" / f"{name}.jsonl").exists() and not (out / "checkpoints" / name).exists()
-    assert [r.name for r in read_manifest(out / "manifest.jsonl")] == ["model-respo-n8-s0"]
 
 
 def test_a_second_sweep_in_a_folder_a_live_sweep_holds_is_refused(tmp_path, capsys):
