@@ -1,28 +1,31 @@
 """``respo-verl sweep --ray ADDRESS`` against a real Ray cluster: a head started here with ``ray start --head`` and its
-dashboard (the Job Submission API), real ``python -m respo_verl.main_ppo +device=cpu`` jobs on this CPU. Nothing is
+dashboard (the Job Submission API, tests/support/ray_head.py), the runs submitted as real Ray jobs. Nothing is
 mocked.
 
-One grid of two runs, ReSPO and VESPO at N = 2 (2 training steps each), shared by the module's tests: submitted with
-``--no-wait``, submitted again at once with ``--no-wait`` (nothing is duplicated), then a third sweep waits for the
-jobs while the test stops VESPO's job through the SDK: ReSPO's job succeeds, VESPO's is reported with its job id and
-the tail of its ``ray job logs``.
+Why the runs are the stand-in program (tests/support/standin/standin_run.py, started by tests/support/standin_sweep.py,
+the real sweep with only the run's module changed): what is tested here is the Ray Jobs executor (submission, no
+duplicates, waiting, a stopped job reported, the local layout written), which does not depend on what a job computes; a
+verl job costs about 70 CPU seconds and a Ray cluster of its own, the stand-in a second. The one real sweep of verl runs
+is in test_sweep_cpu.py.
+
+One grid of two runs, ReSPO and VESPO at N = 2 (2 steps each, 6 s and a minute long), shared by the module's
+tests: submitted with ``--no-wait``, submitted again at once with ``--no-wait`` (nothing is duplicated), then a
+third sweep waits for the jobs while the test stops VESPO's job through the SDK: ReSPO's job succeeds, VESPO's is
+reported with its job id and the tail of its ``ray job logs``.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from support.ray_head import ray_head
+from support.standin_sweep import STANDIN_PATH, STANDIN_SWEEP
 
-from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
-from respo_verl.run.reaper import reap
 from respo_verl.tools.runs.logs import read_log
 from respo_verl.tools.sweep.rayjobs import OUT_KEY
 
@@ -30,51 +33,30 @@ pytestmark = pytest.mark.slow
 
 RESPO, VESPO = "cpu-respo-n2-s0", "cpu-vespo-n2-s0"
 STEPS = 2
-TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+TIMEOUT_S = 300
+STARTED = "standin: {name} starts"
 
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT")}
-    env.update(RESPO_VERL_CPU_KIT=str(kit_root()), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
-    env["TORCH_COMPILE_DISABLE"] = "1"
-    # a job's `python` is the one on the cluster's PATH: this environment's
+    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    # a job's `python` is the one on the cluster's PATH (this environment's), and the stand-in is on its PYTHONPATH
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN_PATH, env.get("PYTHONPATH")) if p)
     return env
 
 
 @pytest.fixture(scope="module")
 def head():
-    """A Ray head with its dashboard, 16 CPU slots and two fake GPU slots (the CPU preset's resource); its address."""
-    build_kit(KitSpec(), progress=False)
-    temp = tempfile.mkdtemp(prefix="rvh-", dir="/tmp")  # Ray's socket paths must stay short
-    dashboard = _free_port()
-    command = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={_free_port()}",
-        f"--dashboard-port={dashboard}", "--include-dashboard=true", "--num-cpus=16", "--num-gpus=2",
-        f"--temp-dir={temp}", "--disable-usage-stats",
-    ]  # fmt: skip
-    try:
-        started = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
-        assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
-        yield f"http://127.0.0.1:{dashboard}"
-    finally:
-        reap({}, temp)  # every process of this head's session (its temp dir is in their command lines)
-        shutil.rmtree(temp, ignore_errors=True)
+    with ray_head(_env()) as address:
+        yield address
 
 
 def _argv(address: str, out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "respo_verl.cli", "sweep", "--ray", address, *extra, "--out", str(out),
+        sys.executable, STANDIN_SWEEP, "--ray", address, *extra, "--out", str(out),
         "--model", "cpu", "--algos", "respo,vespo", "--reuse", "2", "--seeds", "0", "--mini-batch", "2",
-        "--optimizer-steps", str(2 * STEPS), "--",
-        # the jobs join the cluster: Ray refuses num_cpus/num_gpus from a driver that connects to one
-        "+device=cpu", "~ray_kwargs.ray_init.num_cpus", "~ray_kwargs.ray_init.num_gpus",
+        "--optimizer-steps", str(2 * STEPS), "--no-compose", "--", "+standin.step_s=6", f"+standin.slow={VESPO}@60",
     ]  # fmt: skip
 
 
@@ -106,11 +88,12 @@ def sweep(head, tmp_path_factory):
             job_id = vespo[0].submission_id
             deadline = time.monotonic() + TIMEOUT_S
 
-            def ready() -> bool:  # the waiting sweep has found the job, and its driver is up (output to report)
-                return f"{VESPO}: already" in waiting.read_text() and "ray init kwargs" in client.get_job_logs(job_id)
+            def ready() -> bool:  # the waiting sweep has found the job, and the job's program is up (output to report)
+                started = STARTED.format(name=VESPO) in client.get_job_logs(job_id)
+                return f"{VESPO}: already" in waiting.read_text() and started
 
             while not ready() and waiter.poll() is None and time.monotonic() < deadline:
-                time.sleep(1)
+                time.sleep(0.5)
             result["stopped"] = (job_id, client.stop_job(job_id))
             result["wait_status"] = waiter.wait(timeout=TIMEOUT_S)
         finally:
@@ -129,7 +112,7 @@ def test_each_run_is_submitted_once_as_a_job(sweep):
     for job_id, job in jobs.items():
         assert f"{job.metadata['respo_verl_run']}: submitted as job {job_id}" in text
         assert job.entrypoint.startswith(f"VERL_FILE_LOGGER_PATH={sweep['out'].resolve()}/logs/")
-        assert " python -m respo_verl.main_ppo algorithm=" in job.entrypoint
+        assert " python -m standin_run algorithm=" in job.entrypoint
 
 
 def test_a_resubmission_while_the_jobs_are_pending_or_running_duplicates_nothing(sweep):
@@ -150,7 +133,7 @@ def test_the_waiting_sweep_reports_the_stopped_job_with_its_id_and_log_tail(swee
     assert sweep["wait_status"] == 1, text[-3000:]
     assert f"run {VESPO} failed: job {job_id} STOPPED" in text, text[-3000:]
     tail = text[text.index(f"the last lines of `ray job logs {job_id}`:") :].splitlines()[1:]
-    assert tail[0].startswith("  | ") and any("ray init kwargs" in line for line in tail), text[-3000:]
+    assert tail[0].startswith("  | ") and any(STARTED.format(name=VESPO) in line for line in tail), text[-3000:]
     assert f"full output: {sweep['out'] / 'logs' / f'{VESPO}.out'}" in text
     assert text.rstrip().splitlines()[-1] == f"1 done, 1 failed: {VESPO}"
 
@@ -163,6 +146,7 @@ def test_the_succeeded_job_wrote_the_local_layout(sweep):
     assert log.steps == [1, 2] and log.continuity == []
     saved = (out / "logs" / f"{RESPO}.out").read_text()
     assert "=== respo-verl sweep, Ray job" in saved and "Running entrypoint for job" in saved
+    assert STARTED.format(name=RESPO) in saved and f"standin: {RESPO} ran {STEPS} steps" in saved
     assert f"{RESPO}: job " in sweep["wait"] and " succeeded" in sweep["wait"]
 
 
