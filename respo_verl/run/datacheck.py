@@ -17,14 +17,19 @@ Checked, for each file of ``data.train_files`` and ``data.val_files`` (a path or
 
 Rows are counted from 0 within their file. Only those three columns are read, with pyarrow, and the row checks are
 pyarrow.compute / numpy passes over whole columns: a 17k-row DAPO-Math file takes a fraction of a second, plus one
-reward call per data source. A non-local path (``hdfs://``, which verl copies itself) is not checked, and a
-``.json`` / ``.jsonl`` file only for being there.
+reward call per data source. A file that pyarrow cannot read (a damaged page included), a column of another type
+(``data_source`` not a string, a prompt neither a string nor a chat list) and a ground truth that is NaN (verl would
+score against the string ``"nan"``) are refused like the problems above. A remote path (``hdfs://`` or any other
+``scheme://``, which verl copies or reads itself once the workers are up) is not checked, and :func:`check_data`
+says so on stderr; a ``.json`` / ``.jsonl`` file is checked only for being there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +50,8 @@ GROUND_TRUTH = "ground_truth"
 EXTRA_INFO = "extra_info"
 CONTENT = "content"
 PARQUET_SUFFIX = ".parquet"
-REMOTE_PREFIX = "hdfs://"  # verl.utils.fs.copy_to_local fetches these once the workers are up
+# A URL (hdfs://, s3://, ...): verl.utils.fs.copy_to_local, or the dataset reader, fetches it once the workers are up.
+REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # verl 0.9.1's main_ppo reward keys (verl/trainer/config/reward/reward.yaml; verl/trainer/ppo/reward.py).
 CUSTOM_REWARD_PATH = "reward.custom_reward_function.path"
 REWARD_MANAGER_NAME = "reward.reward_manager.name"
@@ -60,7 +66,7 @@ class DataCheckError(ValueError):
     """A train or validation file verl would read wrongly; the message is one line naming file, row and column."""
 
 
-def check_data(config: DictConfig) -> None:
+def check_data(config: DictConfig, echo=None) -> list[str]:
     """Raise :class:`DataCheckError` for the first file of ``data.train_files`` / ``data.val_files`` with a problem.
 
     The message starts with the file; for each kind of problem in it, it names the first row, the column, what is
@@ -69,14 +75,26 @@ def check_data(config: DictConfig) -> None:
 
     Args:
         config: the composed verl ``main_ppo`` job (``DictConfig``).
+        echo: where the line about each remote file goes (default: stderr).
+
+    Returns:
+        The remote files, which were not checked.
     """
+    if echo is None:
+        echo = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     prompt_column = str(OmegaConf.select(config, PROMPT_KEY, default=None) or DEFAULT_PROMPT_COLUMN)
     probe = _SourceProbe(config)
+    remote = []
     for key in FILE_KEYS:
         for path in _paths(OmegaConf.select(config, key, default=None)):
+            if isinstance(path, str):
+                remote.append(path)
+                echo(f"data check: {path} is remote, not checked (verl reads it once the workers are up)")
+                continue
             problems = _file_problems(path, prompt_column, probe)
             if problems:
                 raise DataCheckError(f"{path}: " + "; ".join(problems))
+    return remote
 
 
 def reward_function(config: DictConfig) -> Callable[..., Any]:
@@ -146,16 +164,15 @@ class _SourceProbe:
         return self._errors[source]
 
 
-def _paths(value: Any) -> list[Path]:
+def _paths(value: Any) -> list[Path | str]:
+    """Local files as paths (``~`` expanded); a URL stays the string it is (``Path`` would fold its ``//``)."""
     if value is None:
         return []
     values = list(value) if isinstance(value, ListConfig | list | tuple) else [value]
-    return [Path(str(v)).expanduser() for v in values]
+    return [str(v) if REMOTE.match(str(v)) else Path(str(v)).expanduser() for v in values]
 
 
 def _file_problems(path: Path, prompt_column: str, probe: _SourceProbe) -> list[str]:
-    if str(path).startswith(REMOTE_PREFIX):
-        return []
     if not path.is_file():
         return ["no such file"]
     if path.suffix != PARQUET_SUFFIX:
@@ -168,18 +185,54 @@ def _file_problems(path: Path, prompt_column: str, probe: _SourceProbe) -> list[
     absent = [c for c in columns if c not in names]
     if absent:
         return [f"no column {', '.join(absent)} (verl's RLHF format needs {', '.join(columns)}; found {names})"]
-    table = pq.read_table(path, columns=list(columns))
+    try:  # a damaged page shows only when the data is read
+        table = pq.read_table(path, columns=list(columns))
+        return _table_problems(path, table, prompt_column, probe, EXTRA_INFO in names)
+    except (pa.ArrowException, OSError) as exc:
+        return [f"not a readable parquet file ({_few_words(exc)})"]
+
+
+def _table_problems(path: Path, table: pa.Table, prompt_column: str, probe: _SourceProbe, has_extra: bool) -> list:
+    prompts = table.column(prompt_column).combine_chunks()
+    sources = table.column(DATA_SOURCE).combine_chunks()
+    wrong = [
+        f"column {name} is {array.type}, not {wanted}"
+        for name, array, wanted, fits in (
+            (prompt_column, prompts, "a string or a list of chat messages", _prompt_type_fits(prompts.type)),
+            (DATA_SOURCE, sources, "a string", _is_string(sources.type) or pa.types.is_null(sources.type)),
+        )
+        if not fits
+    ]
+    if wrong:
+        return wrong
     reward_model = table.column(REWARD_MODEL).combine_chunks()
     ground_truth = _ground_truth(reward_model)
     rm_null = reward_model.is_null().to_numpy(zero_copy_only=False)  # (N,)
     gt_null = ground_truth.is_null().to_numpy(zero_copy_only=False)  # (N,)
+    gt_nan = _is_nan(ground_truth)  # (N,)
     problems = [
-        _rows_where(prompt_column, "empty prompt", _empty_prompts(table.column(prompt_column).combine_chunks())),
+        _rows_where(prompt_column, "empty prompt", _empty_prompts(prompts)),
         _rows_where(REWARD_MODEL, "reward_model is null", rm_null),
         _rows_where(REWARD_MODEL, _ground_truth_problem(reward_model.type), ~rm_null & gt_null),
-        *_source_problems(path, table.column(DATA_SOURCE).to_pylist(), ground_truth, probe, EXTRA_INFO in names),
+        _rows_where(REWARD_MODEL, "reward_model.ground_truth is NaN (verl would score against 'nan')", gt_nan),
+        *_source_problems(path, sources.to_pylist(), ground_truth, ~gt_nan, probe, has_extra),
     ]
     return [str(p) for p in problems if p is not None]
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _prompt_type_fits(t: pa.DataType) -> bool:
+    return _is_string(t) or pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_null(t)
+
+
+def _is_nan(values: pa.Array) -> np.ndarray:
+    """(N,) bool: a floating-point value that is NaN (false for null and for every other type)."""
+    if not pa.types.is_floating(values.type):
+        return np.zeros(len(values), dtype=bool)
+    return pc.fill_null(pc.is_nan(values), False).to_numpy(zero_copy_only=False)
 
 
 def _rows_where(column: str, what: str, mask: np.ndarray) -> _Problem | None:
@@ -240,7 +293,12 @@ def _is_empty_prompt(value: Any) -> bool:
 
 
 def _source_problems(
-    path: Path, sources: list[Any], ground_truth: pa.Array, probe: _SourceProbe, has_extra_info: bool
+    path: Path,
+    sources: list[Any],
+    ground_truth: pa.Array,
+    usable: np.ndarray,
+    probe: _SourceProbe,
+    has_extra_info: bool,
 ) -> list[_Problem | None]:
     """Null data_source values, and each data_source the reward function refuses (probed at its first row that has
     a ground truth, with that row's extra_info)."""
@@ -248,7 +306,7 @@ def _source_problems(
     problems = [_rows_where(DATA_SOURCE, "data_source is null", sources_np == None)]  # noqa: E711 (elementwise)
     if not probe.enabled:
         return problems
-    gt_known = ~ground_truth.is_null().to_numpy(zero_copy_only=False)  # (N,)
+    gt_known = ~ground_truth.is_null().to_numpy(zero_copy_only=False) & usable  # (N,)
     first_row: dict[Any, int] = {}
     for row, source in enumerate(sources):
         if source is not None and gt_known[row]:

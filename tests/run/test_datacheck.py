@@ -246,3 +246,59 @@ def test_the_entry_point_refuses_bad_data_in_one_line_before_ray(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"respo_verl.main_ppo: {path}: row 1, column prompt: empty prompt" in proc.stderr
     assert "Traceback" not in proc.stderr and "TaskRunner" not in proc.stdout + proc.stderr
+
+
+# --- hostile and remote input (issue 55): one line each, never a traceback --------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["hdfs://nn/data/train.parquet", "s3://bucket/train.parquet", "gs://b/x.parquet"])
+def test_a_remote_file_passes_and_is_said_to_be_unchecked(tmp_path, default_job, url):
+    said = []
+    local = write_parquet(_rows(), tmp_path / "val.parquet")
+    assert check_data(_with_files(default_job, url, [local]), echo=said.append) == [url]
+    assert said == [f"data check: {url} is remote, not checked (verl reads it once the workers are up)"]
+
+
+def test_a_damaged_parquet_page_is_refused_in_one_line(tmp_path, default_job):
+    path = write_parquet(_rows(50), tmp_path / "train.parquet")
+    data = bytearray(path.read_bytes())
+    data[8:200] = b"\xff" * 192  # the first data pages; the footer (the schema) stays readable
+    path.write_bytes(bytes(data))
+    message = _refusal(_with_files(default_job, path))
+    assert message.startswith(f"{path}: not a readable parquet file (OSError: "), message
+
+
+def test_a_list_typed_data_source_is_refused_by_its_type(tmp_path, default_job):
+    rows = _rows(3)
+    table = pa.Table.from_pylist(rows, schema=VERL_SCHEMA)
+    table = table.set_column(
+        table.schema.get_field_index("data_source"), "data_source", pa.array([[r["data_source"]] for r in rows])
+    )
+    path = tmp_path / "train.parquet"
+    pq.write_table(table, path)
+    message = _refusal(_with_files(default_job, path))
+    assert message.startswith(f"{path}: column data_source is list<") and message.endswith(": string>, not a string")
+
+
+def test_an_integer_prompt_column_is_refused_by_its_type(tmp_path, default_job):
+    rows = _rows(3)
+    table = pa.Table.from_pylist(rows, schema=VERL_SCHEMA)
+    table = table.set_column(table.schema.get_field_index("prompt"), "prompt", pa.array([1, 2, 3]))
+    path = tmp_path / "train.parquet"
+    pq.write_table(table, path)
+    assert _refusal(_with_files(default_job, path)) == (
+        f"{path}: column prompt is int64, not a string or a list of chat messages"
+    )
+
+
+def test_a_nan_ground_truth_is_refused_like_a_null_one(tmp_path, default_job):
+    rows = _rows(4)
+    for i, row in enumerate(rows):
+        row["reward_model"] = {"ground_truth": float("nan") if i in (1, 3) else float(i), "style": "rule"}
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    message = _refusal(_with_files(default_job, path))  # verl's math_dapo scorer then refuses the float truths too
+    assert message.startswith(
+        f"{path}: row 1, column reward_model: reward_model.ground_truth is NaN (verl would score against 'nan') "
+        "(and 1 more row); "
+    ), message
