@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from support import cpu_runs
 
 from respo_verl.run.compose import compose_job
 from respo_verl.tools import demo
@@ -149,10 +150,14 @@ def test_make_demo_shows_starved_positives_weighted_under_respo_and_not_under_ve
     env.pop("VERL_FILE_LOGGER_PATH", None)
     env.pop("VERL_FILE_LOGGER_ROOT", None)
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "respo_verl.cli", "demo", "--steps", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "respo_verl.cli", "demo", "--steps", "2", "--out", str(out)],
+            capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
+        )  # fmt: skip
+    finally:  # one verl driver per method that logged, counted with the suite's (tests/support/cpu_runs.py)
+        logs = [out / demo.PROJECT / f"{algorithm}_n16.jsonl" for algorithm in demo.REGIME_ALGORITHMS]
+        cpu_runs.record_drivers(sum(log.is_file() for log in logs), "respo-verl demo")
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     lines = proc.stdout.splitlines()
     for algorithm in demo.REGIME_ALGORITHMS:
