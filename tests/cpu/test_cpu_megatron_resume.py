@@ -6,15 +6,12 @@ export, verl's resume). Apart from test_cpu_megatron.py so that the two files ru
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
 
 import pytest
+from support import cpu_runs
 
-from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
+from respo_verl.cpu.kit.build import KitSpec, build_kit
 from respo_verl.run.checkpoint import TRACKER
 
 MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
@@ -43,10 +40,6 @@ def test_megatron_checkpoints_save_on_cpu_and_a_relaunch_resumes_exactly_with_r2
     with SIGTERM and SIGKILL)."""
 
     def launch(folder, steps: int) -> tuple[str, list[dict]]:
-        folder.mkdir(parents=True, exist_ok=True)
-        log = folder / "log.jsonl"
-        env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "RESPO_VERL_CPU_KIT": str(kit_root())}
-        env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", TORCH_COMPILE_DISABLE="1")
         overrides = [
             *MEGATRON_JOB,
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
@@ -57,15 +50,9 @@ def test_megatron_checkpoints_save_on_cpu_and_a_relaunch_resumes_exactly_with_r2
             f"trainer.default_local_dir={folder / 'ckpt'}",
             "actor_rollout_ref.rollout.full_determinism=true",
         ]
-        ray_tmp = tempfile.mkdtemp(prefix="rv-ray-", dir="/tmp")
-        cmd = [sys.executable, "-m", "respo_verl.main_ppo", *overrides, f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"]
-        try:
-            proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=1200)
-        finally:
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-5000:]
-        return out, [json.loads(line) for line in log.read_text().splitlines()]
+        rc, out = cpu_runs.launch(folder, cpu_runs.main_ppo(*overrides), timeout=1200)
+        assert rc == 0, out[-5000:]
+        return out, cpu_runs.log_lines(folder)
 
     run = tmp_path / "run"
     _, reference = launch(run, 4)
