@@ -7,7 +7,9 @@ every line: ``mini/optimizer_step`` equals the line's ``step`` (and ``mini/reuse
 that marker, so a log is never read with the wrong step unit, manifest or not.
 
 A run killed mid-write leaves a truncated last line, and NaN metrics arrive as ``null``: both are expected and
-reported, not fatal. Anything else malformed is skipped with its line number, never guessed at.
+reported, not fatal. Anything else malformed is skipped with its line number, never guessed at: a line that is not
+JSON (or nested too deep, or holds a number of more digits than Python reads), a ``step`` that is not an integer in
+0..:data:`MAX_STEP`, a value too large for a float, a resume line whose attempt is not a positive integer.
 
 A resumed run appends to its log after a line ``{"event": "resume", "attempt": k}`` (the respo-verl trainer's file
 logger). Steps logged again by a later attempt (those after the checkpoint it resumed from) are counted once, the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 # The line a resumed attempt's file logger writes first (respo_verl.patches.verl_0_9_1.RESUME_EVENT).
@@ -37,6 +40,14 @@ OPTIMIZER_STEP_KEY = "mini/optimizer_step"
 REUSE_KEY = "mini/reuse"
 # 1.0 on the line of the step a run guard stopped the run in (respo_verl.run.guards.STOPPED_KEY).
 STOPPED_KEY = "respo_verl/stopped"
+# Warnings of the run guards set to warn, counted from the run's first step (respo_verl.run.guards.WARNINGS_KEY):
+# the sum under this key, each guard's under WARNINGS_KEY/<guard>.
+WARNINGS_KEY = "respo_verl/guard_warnings"
+# The largest step read: the paper's runs log at most 1024 steps, so a step beyond this is a damaged or forged line
+# (and every step is kept in memory, so an unbounded one is not taken).
+MAX_STEP = 10_000_000
+# Gaps named in a continuity note; the rest are counted.
+MAX_GAPS_NAMED = 10
 
 
 class LogError(ValueError):
@@ -67,8 +78,7 @@ class RunLog:
 
     def complete_through(self, last: int) -> bool:
         """Whether every step 1..``last`` was logged (no late start, no gap up to ``last``)."""
-        logged = set(self.steps)
-        return last >= 1 and all(step in logged for step in range(1, last + 1))
+        return last >= 1 and sum(1 for step in self.steps if 1 <= step <= last) == last
 
     @property
     def steps(self) -> list[int]:
@@ -81,6 +91,16 @@ class RunLog:
 
     def series(self, key: str) -> dict[int, float]:
         return self.metrics.get(key, {})
+
+    @property
+    def warnings(self) -> dict[str, int]:
+        """Warnings of each run guard set to warn, as its count on the last line that has one (none: ``{}``)."""
+        prefix = f"{WARNINGS_KEY}/"
+        return {
+            key[len(prefix) :]: int(series[max(series)])
+            for key, series in self.metrics.items()
+            if key.startswith(prefix) and series
+        }
 
 
 def read_log(path: Path) -> RunLog:
@@ -106,20 +126,27 @@ def read_log(path: Path) -> RunLog:
             continue
         try:
             record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # ValueError: JSONDecodeError, too many digits
             truncated = lineno == len(lines) and not raw.rstrip().endswith(b"}")
-            run.skipped.append(f"{where}: {'truncated last line' if truncated else 'not JSON'} ({exc})")
+            run.skipped.append(f"{where}: {'truncated last line' if truncated else 'not JSON'} ({str(exc)[:120]})")
             continue
         if isinstance(record, dict) and record.get("event") == RESUME_EVENT:
-            attempt = int(record.get("attempt") or attempt + 1)
+            given = record.get("attempt")
+            if given is None:
+                attempt += 1
+            elif isinstance(given, int) and not isinstance(given, bool) and 1 <= given <= MAX_STEP:
+                attempt = given
+            else:
+                run.skipped.append(f"{where}: resume line with attempt {str(given)[:40]!r}, not a positive integer")
+                attempt += 1
             run.attempts = max(run.attempts, attempt)
             continue
         if not isinstance(record, dict) or not isinstance(record.get("data"), dict):
             run.skipped.append(f"{where}: not a file-logger record (expected {{'step': int, 'data': {{...}}}})")
             continue
         step = record.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            run.skipped.append(f"{where}: step {step!r} is not a non-negative integer")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+            run.skipped.append(f"{where}: step {str(step)[:40]!r} is not an integer in 0..{MAX_STEP}")
             continue
         if step in written_by and written_by[step] != attempt:
             repeated.setdefault(step, [written_by[step]]).append(attempt)
@@ -131,18 +158,28 @@ def read_log(path: Path) -> RunLog:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue  # strings and lists (e.g. config dumps) are not metrics
-            if not math.isfinite(value):
+            try:
+                number = float(value)
+            except OverflowError:
+                run.skipped.append(f"{where}: {key} is an integer too large for a float")
+                continue
+            if not math.isfinite(number):
                 run.skipped.append(f"{where}: {key} = {value}")
                 continue
             series = run.metrics.setdefault(key, {})
             if step in series and step not in repeated:
                 run.skipped.append(f"{where}: step {step} of {key} logged twice; the later value is used")
-            series[step] = float(value)
+            series[step] = number
     if not run.metrics:
         raise LogError(f"{path}: no usable metric lines ({len(run.skipped)} skipped: {run.skipped[:3]})")
     run.continuity = _continuity(run.steps, repeated, written_by)
     if run.stopped_at is not None:
         run.continuity.append(f"stopped by a run guard in step {run.stopped_at} (its line has {STOPPED_KEY} = 1)")
+    warned = run.warnings
+    if warned:
+        counts = ", ".join(f"{guard} {count}" for guard, count in sorted(warned.items()))
+        first = min(run.series(WARNINGS_KEY))
+        run.continuity.append(f"a run guard set to warn warned from step {first} on ({counts} warnings)")
     return run
 
 
@@ -164,10 +201,13 @@ def _continuity(steps: list[int], repeated: dict[int, list[int]], written_by: di
     if not steps:
         return notes
     if steps[0] > 1:
-        notes.append(f"starts at step {steps[0]}, not 1: steps {_ranges(list(range(1, steps[0])))} are missing")
-    missing = sorted(set(range(steps[0], steps[-1] + 1)) - set(steps))
-    if missing:
-        notes.append(f"gap: steps {_ranges(missing)} are missing")
+        first_missing = "1" if steps[0] == 2 else f"1-{steps[0] - 1}"
+        notes.append(f"starts at step {steps[0]}, not 1: steps {first_missing} are missing")
+    gaps = [(a + 1, b - 1) for a, b in pairwise(steps) if b > a + 1]  # from the sorted steps, never a range
+    if gaps:
+        named = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:MAX_GAPS_NAMED])
+        more = f" (and {len(gaps) - MAX_GAPS_NAMED} more gaps)" if len(gaps) > MAX_GAPS_NAMED else ""
+        notes.append(f"gap: steps {named}{more} are missing")
     if repeated:
         steps_again = sorted(repeated)
         kept = sorted({written_by[s] for s in steps_again})

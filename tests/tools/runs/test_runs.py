@@ -187,3 +187,52 @@ def test_a_resume_after_a_cut_line_starts_its_own_line_and_the_reader_names_the_
     assert log.attempts == 2 and log.complete_through(4)
     assert log.metrics["critic/score/mean"][3] == pytest.approx(1.3)
     assert len(log.skipped) == 1 and "run.jsonl:3: not JSON" in log.skipped[0], log.skipped
+
+
+# --- hostile logs (issue 55): every bad line skipped with its line number, nothing crashes or fills memory ---------
+HOSTILE_LINES = [
+    '{"event": "resume", "attempt": "x"}',  # not an integer attempt
+    '{"event": "resume", "attempt": [1]}',
+    '{"step": 2, "data": {"m": ' + "9" * 5000 + "}}",  # more digits than Python reads
+    "[" * 100_000 + "]" * 100_000,  # nested deeper than the JSON reader recurses
+    '{"step": 1000000000000000000, "data": {"m": 1.0}}',  # a step that would list a quintillion missing ones
+    '{"step": 3, "data": {"m": ' + "1" + "0" * 400 + "}}",  # an integer too large for a float
+    '{"step": "4", "data": {"m": 1.0}}',
+]
+
+
+def test_hostile_log_lines_are_skipped_with_their_line_numbers(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(
+        '{"step": 1, "data": {"m": 0.5}}\n' + "\n".join(HOSTILE_LINES) + '\n{"step": 2, "data": {"m": 1}}\n'
+    )
+    log = read_log(path)
+    assert log.series("m") == {1: 0.5, 2: 1.0}
+    assert [note.split(":", 2)[1] for note in log.skipped] == [str(n) for n in range(2, 2 + len(HOSTILE_LINES))]
+    assert log.complete_through(2) and not log.complete_through(10**12)  # no loop over a trillion steps
+
+
+def test_a_log_with_far_apart_steps_is_described_without_listing_them(tmp_path):
+    rows = [(step, {"m": 0.0}) for step in (5, *range(10, 10_000_000, 500_000))]
+    log = read_log(write_lines(tmp_path / "a.jsonl", rows))
+    assert log.continuity[0] == "starts at step 5, not 1: steps 1-4 are missing"
+    assert log.continuity[1].startswith("gap: steps 6-9, 11-500009, ") and "(and 10 more gaps)" in log.continuity[1]
+
+
+def test_sweep_and_report_read_a_folder_of_hostile_logs_without_a_traceback(tmp_path, capsys):
+    from respo_verl.cli import main as cli_main
+
+    out = tmp_path / "out"
+    argv = ["sweep", "--print", "--no-compose", "--algos", "respo", "--reuse", "1", "--seeds", "0",
+            "--optimizer-steps", "2", "--model", "m", "--out", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    (record,) = read_manifest(out / "manifest.jsonl")
+    log = out / record.log
+    log.parent.mkdir(parents=True)
+    log.write_text("\n".join(HOSTILE_LINES) + '\n{"step": 1, "data": {"critic/score/mean": 0.5}}\n')
+    capsys.readouterr()
+    assert cli_main(argv) == 0  # the run is not complete: printed again, not skipped
+    assert not capsys.readouterr().out.startswith("# complete")
+    status = cli_main(["report", str(out), "--out", str(tmp_path / "report")])
+    err = capsys.readouterr().err
+    assert status in (0, 2) and "Traceback" not in err, err
