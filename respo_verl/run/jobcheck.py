@@ -2,7 +2,9 @@
 
 :func:`check_job` runs on the composed configuration (an OmegaConf node), before anything is printed or launched:
 by the entry point (for a run and for ``--cfg job``), the planner and ``respo-verl sweep``. It imports neither verl
-nor Hydra, so calling it costs no start-up time beyond the kernel configuration classes.
+nor Hydra, so calling it costs no start-up time beyond the kernel configuration classes. Its layout check holds the
+job to the planner's rules (:mod:`respo_verl.layout.rules`), which megatron-core, vLLM and verl would otherwise
+enforce only after Ray has started and the model has loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class ModelCheckError(ValueError):
     """A model the run cannot load, in one line (:func:`check_model`)."""
 
 
-def check_job(cfg: Any) -> None:
+def check_job(cfg: Any, layout: bool = True) -> None:
     """Raise ValueError with one line naming the key for a job that cannot run.
 
     Checks:
@@ -31,14 +33,61 @@ def check_job(cfg: Any) -> None:
         - routing replay (``routing=r2|r3``: the actor's ``megatron.router_replay.mode`` is not ``disabled``) with
           a ``model_engine`` other than ``megatron``;
         - a rollout batch that is not a whole number of mini-batches (``data.train_batch_size`` and
-          ``actor_rollout_ref.actor.ppo_mini_batch_size``, both in prompts): N would not be an integer.
+          ``actor_rollout_ref.actor.ppo_mini_batch_size``, both in prompts): N would not be an integer;
+        - with ``layout``, the layout rules (:func:`check_layout_rules`).
 
     Args:
         cfg: the composed job (``DictConfig``), as ``--cfg job`` prints it.
+        layout: apply the layout rules too (the planner applies them itself, next to its memory model).
     """
     _check_kernel_hyperparameters(cfg)
     _check_routing(cfg)
     _check_reuse(cfg)
+    if layout:
+        check_layout_rules(cfg)
+
+
+def check_layout_rules(cfg: Any) -> None:
+    """Raise ValueError with one line that lists, rule by rule, what megatron-core, vLLM or verl would refuse in the
+    job's parallel layout (:func:`respo_verl.layout.rules.check_layout`: grids that do not divide the world, TP or
+    EP that do not divide heads or experts, a rollout replica that does not divide the nodes, ...).
+
+    The rules on how batches split are left to verl's ``validate_config``, which the run's driver calls before Ray
+    starts; ``--cfg job`` still prints verl's default job, which sets no micro-batch size.
+
+    The rules on the model's heads, layers and experts apply where its ``config.json`` is on this machine
+    (:func:`respo_verl.layout.models.local_model_config`: a local folder, or a hub id in the local Hugging Face
+    cache); the others always do. Whether the job fits in memory is ``respo-verl plan``'s estimate, not checked here.
+    """
+    from respo_verl.layout.parallel import layout_from_config
+    from respo_verl.layout.rules import check_layout
+
+    violations = check_layout(_model_shape(cfg), layout_from_config(cfg), batch=False)
+    if violations:
+        raise ValueError(
+            f"layout: {len(violations)} rule(s) that megatron-core, vLLM or verl would enforce only after Ray starts: "
+            + "; ".join(map(str, violations))
+        )
+
+
+def _model_shape(cfg: Any):
+    """The model's shape from its ``config.json`` on this machine, or None (unknown, or not a shape the rules read)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from respo_verl.layout.models import ModelConfigError, local_model_config, shape_from_hf_config
+
+    try:
+        raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
+    except OmegaConfBaseException:  # an interpolation that does not resolve here (an environment variable, ...)
+        return None
+    config = local_model_config(str(raw)) if raw is not None else None
+    if config is None:
+        return None
+    try:
+        return shape_from_hf_config(config)
+    except ModelConfigError:
+        return None
 
 
 def check_model(cfg: Any) -> None:

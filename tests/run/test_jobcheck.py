@@ -163,3 +163,124 @@ def test_a_typo_in_a_config_group_is_one_line_exit_2(tmp_path, override, message
         lines = [line for line in proc.stderr.splitlines() if line.startswith("respo_verl.main_ppo:")]
         assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
         assert "rollout_correction" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+# The layout rules (respo_verl.layout.rules) on every run: the entry point and the sweep refuse, before Ray, a layout
+# megatron-core would refuse only once Ray is up and the model has loaded on the cluster.
+MG = "actor_rollout_ref.actor.megatron"
+BROKEN_LAYOUTS = [
+    # EP 3 does not divide the world of 2 x 8 GPUs, nor the model's 128 experts.
+    ([f"{MG}.expert_model_parallel_size=3"], {"expert-grid"}, {"experts-ep"}),
+    # TP 3 divides neither the world nor the 32 heads and 4 KV groups.
+    ([f"{MG}.tensor_model_parallel_size=3"], {"world-grid"}, {"heads-tp", "kv-groups-tp"}),
+    # A world of 3 x 8 that EP 6 divides, but the 128 experts it does not: only the model's shape tells.
+    ([f"{MG}.expert_model_parallel_size=6", "trainer.nnodes=3"], set(), {"experts-ep"}),
+]
+
+
+def _model_folder(tmp_path, model: str):
+    """A folder holding the ``config.json`` of a shipped architecture (the planner's own facts), as a run's model."""
+    import json
+
+    from respo_verl.layout.models import SHIPPED_MODELS
+    from respo_verl.tools.plan.build import hf_config_from_shape
+
+    folder = tmp_path / model
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config_from_shape(SHIPPED_MODELS[model])))
+    return folder
+
+
+def _rules_named(message: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"\[([a-z0-9-]+)\] ", message))
+
+
+@pytest.mark.parametrize(("overrides", "without_model", "with_model"), BROKEN_LAYOUTS)
+def test_a_broken_layout_is_refused_naming_each_rule(tmp_path, overrides, without_model, with_model):
+    preset = ["algorithm=respo", "+cluster=qwen3_30b_a3b_h100_2x8", *overrides]
+    model = f"actor_rollout_ref.model.path={_model_folder(tmp_path, 'qwen3_30b_a3b')}"
+    for extra, rules in (([], without_model), ([model], without_model | with_model)):
+        job = compose_job("respo", [*preset, *extra])
+        if not rules:
+            check_job(job)  # the model's shape is unknown here: the rules on it are left out
+            continue
+        with pytest.raises(ValueError) as info:
+            check_job(job)
+        assert _rules_named(str(info.value)) == rules and "\n" not in str(info.value), str(info.value)
+        assert str(info.value).startswith("layout: ")
+
+
+def test_a_hub_id_is_read_from_the_local_hugging_face_cache_only(tmp_path, monkeypatch):
+    from respo_verl.layout.models import local_model_config
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert local_model_config("Qwen/Qwen3-30B-A3B") is None  # not cached: nothing is downloaded
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-30B-A3B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((_model_folder(tmp_path, "qwen3_30b_a3b") / "config.json").read_text())
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123\n")
+    assert local_model_config("Qwen/Qwen3-30B-A3B") == snapshot / "config.json"
+    job = compose_job(
+        "respo",
+        [
+            "algorithm=respo",
+            "+cluster=qwen3_30b_a3b_h100_2x8",
+            "actor_rollout_ref.model.path=Qwen/Qwen3-30B-A3B",
+            f"{MG}.expert_model_parallel_size=6",
+            "trainer.nnodes=3",
+        ],
+    )
+    with pytest.raises(ValueError, match=r"\[experts-ep\] 128 experts are not divisible by EP = 6"):
+        check_job(job)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "model"),
+    [
+        (["+device=cpu"], "dense"),
+        (["+device=cpu", "+task=cpu_chain"], "dense"),  # the chain kit's model has the dense one's layers and heads
+        (["+device=cpu_megatron", "model_engine=megatron", "routing=r2"], "moe"),
+    ],
+    ids=["cpu", "cpu_chain", "cpu_megatron"],
+)
+def test_the_cpu_presets_pass_the_layout_rules_with_their_model(overrides, model):
+    """The cluster presets pass them in tests/tools/plan/test_cluster_presets.py (the job's rules there, and the
+    planner's with each preset's model)."""
+    from respo_verl.cpu.kit.build import KitSpec, build_kit
+    from respo_verl.run.jobcheck import _model_shape
+
+    kit = build_kit(KitSpec(moe=model == "moe"), progress=False)
+    job = compose_job("respo", ["algorithm=respo", *overrides, f"actor_rollout_ref.model.path={kit.model}"])
+    assert _model_shape(job) is not None  # the rules on the model's shape ran too
+    check_job(job)
+
+
+@pytest.mark.parametrize("cfg", [[], ["--cfg", "job"]], ids=["run", "cfg-job"])
+def test_the_entry_point_refuses_a_broken_layout_before_ray_in_one_line(tmp_path, cfg):
+    import time
+
+    argv = ["algorithm=respo", "+cluster=qwen3_30b_a3b_h100_2x8", f"{MG}.expert_model_parallel_size=3", *cfg]
+    started = time.monotonic()
+    proc = run_entry(argv, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("respo_verl.main_ppo:")]
+    assert len(lines) == 1 and lines[0].startswith("respo_verl.main_ppo: layout: 1 rule(s)"), proc.stderr[-3000:]
+    assert "[expert-grid] expert grid ETP·EP·PP = 1·3·1 = 3 does not divide the world 16" in lines[0]
+    assert "Traceback" not in proc.stderr and time.monotonic() - started < 60
+
+
+def test_the_sweep_refuses_a_broken_layout_before_its_first_run(tmp_path, capsys):
+    from respo_verl.cli import main as cli_main
+
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--algos", "respo,vespo", "--reuse", "4", "--seeds", "0", "--preset", "qwen3_30b_a3b_h100_2x8"]
+    broken = [f"{MG}.tensor_model_parallel_size=3"]
+    for mode in (["--print"], []):  # printed for a scheduler, or run here: refused before either
+        assert cli_main([*argv, *mode, "--out", str(out), "--", *broken]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("respo-verl sweep: run model-respo-n4-s0: ") and "\n" not in err.rstrip("\n"), err
+        assert ": layout: 1 rule(s)" in err and "[world-grid] world 16 is not divisible by TP·PP·CP = 3·1·1" in err
+        assert not out.exists()  # no manifest, no log: nothing started

@@ -32,9 +32,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from respo_verl.tools.plan.layout import Layout
+from respo_verl.layout.models import ModelShape
+from respo_verl.layout.parallel import Layout
 from respo_verl.tools.plan.memory import megatron_rank_figures
-from respo_verl.tools.plan.models import ModelShape
 
 # Default parallelism of the build: the machine's cores (each rank is one process of ~0.7 GiB).
 DEFAULT_WORKERS = max(1, min(2, os.cpu_count() or 1))

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from respo_verl.tools.plan.layout import Layout
+from respo_verl.layout.models import ModelShape
+from respo_verl.layout.parallel import Layout
 from respo_verl.tools.plan.memory import (
     BF16_BYTES,
     FSDP_DTYPE_BYTES,
     FSDP_PARAM_BYTES,
     MEGATRON_OPTIMIZER_BYTES,
 )
-from respo_verl.tools.plan.models import ModelShape
 
 GB = 1e9
 MODEL_PATH = "actor_rollout_ref.model.path"

@@ -21,14 +21,14 @@ from rich.console import Console
 from rich.table import Table
 
 from respo_verl import algorithms
+from respo_verl.layout.models import SHIPPED_MODELS, ModelConfigError, ModelShape, shape_from_hf_config
+from respo_verl.layout.parallel import Layout, LayoutError, layout_from_config
+from respo_verl.layout.rules import Violation, check_layout, size_violations
 from respo_verl.run.jobcheck import check_job
 from respo_verl.run.requirements import install_line, job_requirements
 from respo_verl.tools.plan.checkpoints import checkpoint_plan
-from respo_verl.tools.plan.layout import Layout, LayoutError, layout_from_config
-from respo_verl.tools.plan.memory import MemoryEstimate, estimate_memory
-from respo_verl.tools.plan.models import SHIPPED_MODELS, ModelConfigError, ModelShape, shape_from_hf_config
+from respo_verl.tools.plan.memory import MemoryEstimate, estimate_memory, memory_violations
 from respo_verl.tools.plan.presets import GPU_MEMORY_GIB, PRESETS, PresetError, compose_preset
-from respo_verl.tools.plan.rules import Violation, check_layout, size_violations
 
 EXIT_FITS, EXIT_VIOLATIONS, EXIT_BAD_INPUT = 0, 1, 2
 TABLE_WIDTH = 120
@@ -142,7 +142,7 @@ def plan(
     """
     cfg = compose_preset(preset, overrides, algorithm=algorithm)
     try:
-        check_job(cfg)  # what the run refuses (kernel hyperparameters, ...), refused here before anything prints
+        check_job(cfg, layout=False)  # what the run refuses; the layout rules are listed below, with the memory
     except ValueError as err:
         raise PresetError(str(err)) from None
     try:
@@ -162,7 +162,7 @@ def plan(
     if sizes:
         return lay, None, sizes, model
     mem = estimate_memory(model, lay, gpu_gib)
-    return lay, mem, check_layout(model, lay, mem), model
+    return lay, mem, check_layout(model, lay) + memory_violations(lay, mem), model
 
 
 def _build(args: argparse.Namespace, lay: Layout, model: ModelShape) -> int:

@@ -69,8 +69,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from respo_verl.tools.plan.layout import Layout
-from respo_verl.tools.plan.models import ModelShape
+from respo_verl.layout.models import ModelShape
+from respo_verl.layout.parallel import Layout
+from respo_verl.layout.rules import Violation
 
 GIB = 2**30
 BF16_BYTES = 2
@@ -350,3 +351,57 @@ def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float) -> MemoryEstimat
         rollout_startup_free_gib=startup_free / GIB,
         rollout_startup_needed_gib=vllm_budget / GIB,
     )
+
+
+def memory_violations(lay: Layout, mem: MemoryEstimate) -> list[Violation]:
+    """Every phase of the estimate that does not fit the GPU (the planner's rules next to the layout rules)."""
+    out: list[Violation] = []
+    cap = mem.gpu_gib
+    if mem.train_gib > cap:
+        out.append(
+            Violation(
+                "memory-train",
+                f"training step needs ~{mem.train_gib:.1f} GiB per GPU > {cap:.1f} GiB (static "
+                f"{mem.static_gib:.1f}, activations {mem.activations_gib:.1f}, logits "
+                f"{mem.logits_gib:.1f}); lower ppo_max_token_len_per_gpu, recompute more, add GPUs or "
+                f"megatron's CPU optimizer",
+            )
+        )
+    if mem.logprob_gib > cap:
+        out.append(
+            Violation(
+                "memory-logprob",
+                f"old-log-prob forward needs ~{mem.logprob_gib:.1f} GiB per GPU > {cap:.1f} GiB; lower "
+                f"rollout.log_prob_max_token_len_per_gpu",
+            )
+        )
+    if mem.rollout_gib > cap:
+        out.append(
+            Violation(
+                "memory-rollout",
+                f"rollout needs ~{mem.rollout_gib:.1f} GiB per GPU (vLLM "
+                f"{lay.rollout_memory_fraction:.2f} × {cap:.1f} + trainer resident "
+                f"{mem.rollout_resident_gib:.1f} + reserve) > {cap:.1f} GiB; offload params/optimizer or "
+                f"lower gpu_memory_utilization",
+            )
+        )
+    if mem.rollout_startup_free_gib < mem.rollout_startup_needed_gib:
+        out.append(
+            Violation(
+                "rollout-startup",
+                f"vLLM will refuse to start: ~{mem.rollout_startup_free_gib:.1f} GiB free per GPU when it starts "
+                f"(the trainer, built first by verl, holds ~{mem.rollout_startup_resident_gib:.1f} GiB + reserve) "
+                f"< gpu_memory_utilization {lay.rollout_memory_fraction:.2f} × {cap:.1f} = "
+                f"{mem.rollout_startup_needed_gib:.1f} GiB (vLLM Worker.init_device); offload params/optimizer "
+                f"or lower gpu_memory_utilization",
+            )
+        )
+    if mem.rollout_kv_tokens < lay.seq_len:
+        out.append(
+            Violation(
+                "rollout-kv",
+                f"vLLM KV cache holds ~{mem.rollout_kv_tokens} tokens, less than one sequence of "
+                f"{lay.seq_len}; raise gpu_memory_utilization or rollout TP",
+            )
+        )
+    return out

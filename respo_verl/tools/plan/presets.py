@@ -23,7 +23,7 @@ GPU_MEMORY_GIB = {"h100": H100_80GB_GIB, "h200": H200_141GB_GIB}
 
 @dataclass(frozen=True)
 class PresetInfo:
-    model: str  # key of respo_verl.tools.plan.models.SHIPPED_MODELS
+    model: str  # key of respo_verl.layout.models.SHIPPED_MODELS
     gpu: str  # key of GPU_MEMORY_GIB
     # Rule ids the planner reports for a preset kept as a record although it does not start (empty: it must fit).
     refused_by: tuple[str, ...] = ()

@@ -13,6 +13,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, McoreActorConfig, McoreEngineConfig, RolloutConfig
 
+from respo_verl.run.jobcheck import check_job
 from respo_verl.tools.plan.cli import plan
 from respo_verl.tools.plan.presets import PRESETS, shipped_presets
 
@@ -48,6 +49,7 @@ def test_every_shipped_preset_has_planner_metadata():
 def test_preset_composes_and_validates_with_both_entry_points(preset):
     jobs = {entry: _job(entry, preset) for entry in ("respo", "verl")}
     for cfg in jobs.values():
+        check_job(cfg)  # what the run refuses before Ray, the layout rules included
         validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
         actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
         expected = McoreActorConfig if "30b" in preset else FSDPActorConfig

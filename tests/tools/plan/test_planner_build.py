@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from respo_verl.layout.models import QWEN3_1P7B, QWEN3_30B_A3B, shape_from_hf_config
 from respo_verl.patches import UntestedVersionError, meta_build
 from respo_verl.tools.plan.build import (
     BuildInputError,
@@ -29,7 +30,6 @@ from respo_verl.tools.plan.build import (
 )
 from respo_verl.tools.plan.cli import plan
 from respo_verl.tools.plan.memory import megatron_rank_figures
-from respo_verl.tools.plan.models import QWEN3_1P7B, QWEN3_30B_A3B, shape_from_hf_config
 from respo_verl.tools.plan.presets import PRESETS
 
 MG = "actor_rollout_ref.actor.megatron"

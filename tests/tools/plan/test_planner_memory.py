@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from respo_verl.tools.plan.layout import Layout
+from respo_verl.layout.models import QWEN3_1P7B, QWEN3_30B_A3B, ModelConfigError, ModelShape, shape_from_hf_config
+from respo_verl.layout.parallel import Layout
 from respo_verl.tools.plan.memory import GIB, RUNTIME_RESERVE_GIB, VLLM_OVERHEAD_GIB, estimate_memory
-from respo_verl.tools.plan.models import QWEN3_1P7B, QWEN3_30B_A3B, ModelConfigError, ModelShape, shape_from_hf_config
 
 # L = 2, h = 64, 4 heads / 2 KV heads of 16, vocab 50, dense FFN 128, untied.
 TINY = ModelShape("tiny", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,

@@ -7,12 +7,12 @@ from functools import cache
 
 import pytest
 
+from respo_verl.layout.models import QWEN3_1P7B, QWEN3_30B_A3B
+from respo_verl.layout.parallel import Layout
+from respo_verl.layout.rules import check_layout
 from respo_verl.tools.plan.cli import plan
-from respo_verl.tools.plan.layout import Layout
-from respo_verl.tools.plan.memory import estimate_memory
-from respo_verl.tools.plan.models import QWEN3_1P7B, QWEN3_30B_A3B
+from respo_verl.tools.plan.memory import estimate_memory, memory_violations
 from respo_verl.tools.plan.presets import H100_80GB_GIB
-from respo_verl.tools.plan.rules import check_layout
 
 MG = "actor_rollout_ref.actor.megatron"
 
@@ -88,13 +88,13 @@ def _base(model: str) -> Layout:
 def test_broken_layouts_name_the_rule(model, changes, rule):
     shape = QWEN3_30B_A3B if model == "moe" else QWEN3_1P7B
     lay = dataclasses.replace(_base(model), **changes)
-    violations = check_layout(shape, lay, estimate_memory(shape, lay, H100_80GB_GIB))
+    violations = check_layout(shape, lay) + memory_violations(lay, estimate_memory(shape, lay, H100_80GB_GIB))
     assert rule in {v.rule for v in violations}, [str(v) for v in violations]
 
 
 def test_every_violation_is_listed_not_just_the_first():
     lay = dataclasses.replace(_base("moe"), tp=3, ep=3, rollout_tp=3, ppo_mini_batch_size=48)
-    rules = {v.rule for v in check_layout(QWEN3_30B_A3B, lay, None)}
+    rules = {v.rule for v in check_layout(QWEN3_30B_A3B, lay)}
     assert {"world-grid", "experts-ep", "heads-tp", "rollout-tp-node", "batch-mini"} <= rules
 
 

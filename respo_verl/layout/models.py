@@ -7,6 +7,8 @@ RMSNorm, SwiGLU MLPs with gate, up and down projections).
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +165,8 @@ QWEN3_1P7B = ModelShape(
 
 SHIPPED_MODELS: dict[str, ModelShape] = {"qwen3_30b_a3b": QWEN3_30B_A3B, "qwen3_1p7b": QWEN3_1P7B}
 
+# A Hugging Face hub id as verl's model.path takes it: <owner>/<name>.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
 
@@ -222,3 +226,30 @@ def shape_from_hf_config(path: str | Path) -> ModelShape:
     if shape.num_dense_layers and shape.ffn_hidden_size <= 0:
         raise ModelConfigError(f"model config {path} has dense layers but no intermediate_size")
     return shape
+
+
+def _hub_cache() -> Path:
+    """The local Hugging Face hub cache, as huggingface_hub finds it (``HF_HUB_CACHE``, ``HF_HOME``, XDG, home)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def local_model_config(model_path: str) -> Path | None:
+    """The ``config.json`` of a job's ``actor_rollout_ref.model.path`` where it is on this machine, else None.
+
+    A folder holding one is read as it is; a hub id (``Qwen/Qwen3-1.7B``) is looked up in the local Hugging Face
+    cache only, at the revision ``main`` points to: nothing is downloaded.
+    """
+    folder = Path(model_path).expanduser()
+    if folder.is_dir():
+        return folder / "config.json" if (folder / "config.json").is_file() else None
+    if not HUB_ID.match(model_path):
+        return None
+    repo = _hub_cache() / f"models--{model_path.replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    if not ref.is_file():
+        return None
+    config = repo / "snapshots" / ref.read_text().strip() / "config.json"
+    return config if config.is_file() else None

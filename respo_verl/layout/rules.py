@@ -1,16 +1,17 @@
 """The layout rules megatron-core, vLLM and verl enforce at start-up, checked before anything starts.
 
 Each rule has a stable id (used in messages and tests) and names the config keys involved. Where the enforcing
-code lives is given so a rule can be re-checked against a new version.
+code lives is given so a rule can be re-checked against a new version. A rule that needs the model's shape (heads,
+layers, experts) is checked only when the shape is known; the others need the layout alone. Whether the job fits
+in memory is the planner's question (:mod:`respo_verl.tools.plan.memory`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from respo_verl.tools.plan.layout import Layout
-from respo_verl.tools.plan.memory import MemoryEstimate
-from respo_verl.tools.plan.models import ModelShape
+from respo_verl.layout.models import ModelShape
+from respo_verl.layout.parallel import Layout
 
 MG = "actor_rollout_ref.actor.megatron"
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -67,7 +68,7 @@ def size_violations(lay: Layout) -> list[Violation]:
     ]
 
 
-def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
+def _megatron_rules(m: ModelShape | None, lay: Layout) -> list[Violation]:
     out: list[Violation] = []
     grid = lay.tp * lay.pp * lay.cp
     if lay.world % grid:
@@ -88,14 +89,14 @@ def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
                 f"defaults to TP when null)",
             )
         )
-    if m.is_moe and m.num_experts % lay.ep:
+    if m is not None and m.is_moe and m.num_experts % lay.ep:
         out.append(
             Violation(
                 "experts-ep",
                 f"{m.num_experts} experts are not divisible by EP = {lay.ep} ({MG}.expert_model_parallel_size)",
             )
         )
-    if not m.is_moe and lay.ep > 1:
+    if m is not None and not m.is_moe and lay.ep > 1:
         out.append(Violation("experts-ep", f"EP = {lay.ep} but {m.name} has no experts"))
     vpp = lay.vpp or 1
     if lay.vpp is not None and lay.pp == 1:
@@ -115,16 +116,16 @@ def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
                 "true with VPP > 1)",
             )
         )
-    if m.num_layers % (lay.pp * vpp):
+    if m is not None and m.num_layers % (lay.pp * vpp):
         out.append(
             Violation(
                 "layers-pp",
                 f"{m.num_layers} layers are not divisible by PP·VPP = {lay.pp}·{vpp} (megatron TransformerConfig)",
             )
         )
-    if m.num_attention_heads % lay.tp:
+    if m is not None and m.num_attention_heads % lay.tp:
         out.append(Violation("heads-tp", f"{m.num_attention_heads} attention heads are not divisible by TP = {lay.tp}"))
-    if m.num_kv_heads % lay.tp and lay.tp % m.num_kv_heads:
+    if m is not None and m.num_kv_heads % lay.tp and lay.tp % m.num_kv_heads:
         out.append(
             Violation(
                 "kv-groups-tp",
@@ -132,7 +133,8 @@ def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
                 f"TransformerConfig)",
             )
         )
-    if m.is_moe and lay.ep > 1 and lay.tp > 1 and not lay.sequence_parallel:
+    # EP > 1 makes megatron build MoE layers: a dense model is refused above, an unknown one is taken as MoE.
+    if (m is None or m.is_moe) and lay.ep > 1 and lay.tp > 1 and not lay.sequence_parallel:
         out.append(
             Violation(
                 "moe-sequence-parallel",
@@ -156,13 +158,15 @@ def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
                     f"{lay.recompute_method!r} ({MG}.override_transformer_config)",
                 )
             )
-        per_stage = m.num_layers // (lay.pp * vpp) if m.num_layers % (lay.pp * vpp) == 0 else None
+        per_stage = m.num_layers // (lay.pp * vpp) if m is not None and m.num_layers % (lay.pp * vpp) == 0 else None
         n = lay.recompute_num_layers
         if n is None or n < 1 or (per_stage is not None and n > per_stage):
+            bound = f"[1, {per_stage}]" if per_stage is not None else ">= 1"
             out.append(
                 Violation(
                     "recompute",
-                    f"recompute_num_layers must be in [1, {per_stage}] with full recompute, got {n}",
+                    f"recompute_num_layers must be {'in ' if per_stage is not None else ''}{bound} with full "
+                    f"recompute, got {n}",
                 )
             )
     if lay.recompute_granularity == "selective" and lay.recompute_num_layers is not None:
@@ -196,24 +200,24 @@ def _megatron_rules(m: ModelShape, lay: Layout) -> list[Violation]:
                 "actor_rollout_ref.actor.optim.use_precision_aware_optimizer=true",
             )
         )
-    if lay.router_replay_mode != "disabled" and not m.is_moe:
+    if m is not None and lay.router_replay_mode != "disabled" and not m.is_moe:
         out.append(Violation("router-replay", f"router_replay.mode={lay.router_replay_mode} needs an MoE model"))
     return out
 
 
-def _fsdp_rules(m: ModelShape, lay: Layout) -> list[Violation]:
+def _fsdp_rules(m: ModelShape | None, lay: Layout) -> list[Violation]:
     out: list[Violation] = []
     sp = lay.ulysses_sp
     if lay.world % sp:
         out.append(Violation("world-grid", f"world {lay.world} is not divisible by Ulysses SP = {sp}"))
-    if m.num_attention_heads % sp:
+    if m is not None and m.num_attention_heads % sp:
         out.append(
             Violation(
                 "heads-sp",
                 f"{m.num_attention_heads} attention heads are not divisible by Ulysses SP = {sp}",
             )
         )
-    if m.num_kv_heads % sp and sp % m.num_kv_heads:
+    if m is not None and m.num_kv_heads % sp and sp % m.num_kv_heads:
         out.append(
             Violation(
                 "kv-heads-sp",
@@ -277,7 +281,7 @@ def _batch_rules(lay: Layout) -> list[Violation]:
     return out
 
 
-def _rollout_rules(m: ModelShape, lay: Layout) -> list[Violation]:
+def _rollout_rules(m: ModelShape | None, lay: Layout) -> list[Violation]:
     out: list[Violation] = []
     replica = lay.rollout_tp * lay.rollout_dp * lay.rollout_pp
     if lay.gpus_per_node % lay.rollout_tp or lay.rollout_tp > lay.gpus_per_node:
@@ -303,14 +307,14 @@ def _rollout_rules(m: ModelShape, lay: Layout) -> list[Violation]:
                 f"(verl RolloutConfig)",
             )
         )
-    if m.num_attention_heads % lay.rollout_tp:
+    if m is not None and m.num_attention_heads % lay.rollout_tp:
         out.append(
             Violation(
                 "rollout-heads",
                 f"{m.num_attention_heads} attention heads are not divisible by rollout TP {lay.rollout_tp} (vLLM)",
             )
         )
-    if m.num_kv_heads % lay.rollout_tp and lay.rollout_tp % m.num_kv_heads:
+    if m is not None and m.num_kv_heads % lay.rollout_tp and lay.rollout_tp % m.num_kv_heads:
         out.append(
             Violation(
                 "rollout-heads",
@@ -334,70 +338,20 @@ def _rollout_rules(m: ModelShape, lay: Layout) -> list[Violation]:
     return out
 
 
-def _memory_rules(lay: Layout, mem: MemoryEstimate) -> list[Violation]:
-    out: list[Violation] = []
-    cap = mem.gpu_gib
-    if mem.train_gib > cap:
-        out.append(
-            Violation(
-                "memory-train",
-                f"training step needs ~{mem.train_gib:.1f} GiB per GPU > {cap:.1f} GiB (static "
-                f"{mem.static_gib:.1f}, activations {mem.activations_gib:.1f}, logits "
-                f"{mem.logits_gib:.1f}); lower ppo_max_token_len_per_gpu, recompute more, add GPUs or "
-                f"megatron's CPU optimizer",
-            )
-        )
-    if mem.logprob_gib > cap:
-        out.append(
-            Violation(
-                "memory-logprob",
-                f"old-log-prob forward needs ~{mem.logprob_gib:.1f} GiB per GPU > {cap:.1f} GiB; lower "
-                f"rollout.log_prob_max_token_len_per_gpu",
-            )
-        )
-    if mem.rollout_gib > cap:
-        out.append(
-            Violation(
-                "memory-rollout",
-                f"rollout needs ~{mem.rollout_gib:.1f} GiB per GPU (vLLM "
-                f"{lay.rollout_memory_fraction:.2f} × {cap:.1f} + trainer resident "
-                f"{mem.rollout_resident_gib:.1f} + reserve) > {cap:.1f} GiB; offload params/optimizer or "
-                f"lower gpu_memory_utilization",
-            )
-        )
-    if mem.rollout_startup_free_gib < mem.rollout_startup_needed_gib:
-        out.append(
-            Violation(
-                "rollout-startup",
-                f"vLLM will refuse to start: ~{mem.rollout_startup_free_gib:.1f} GiB free per GPU when it starts "
-                f"(the trainer, built first by verl, holds ~{mem.rollout_startup_resident_gib:.1f} GiB + reserve) "
-                f"< gpu_memory_utilization {lay.rollout_memory_fraction:.2f} × {cap:.1f} = "
-                f"{mem.rollout_startup_needed_gib:.1f} GiB (vLLM Worker.init_device); offload params/optimizer "
-                f"or lower gpu_memory_utilization",
-            )
-        )
-    if mem.rollout_kv_tokens < lay.seq_len:
-        out.append(
-            Violation(
-                "rollout-kv",
-                f"vLLM KV cache holds ~{mem.rollout_kv_tokens} tokens, less than one sequence of "
-                f"{lay.seq_len}; raise gpu_memory_utilization or rollout TP",
-            )
-        )
-    return out
+def check_layout(m: ModelShape | None, lay: Layout, batch: bool = True) -> list[Violation]:
+    """Every violated layout rule (empty: megatron-core, vLLM and verl accept the layout).
 
-
-def check_layout(m: ModelShape, lay: Layout, mem: MemoryEstimate | None) -> list[Violation]:
-    """Every violated rule (empty: the layout is valid and, if ``mem`` is given, fits).
+    Args:
+        m: the model's shape, or None where it is not known: the rules on heads, layers and experts are then left
+            out, the rest still hold.
+        lay: the job's layout (:func:`respo_verl.layout.parallel.layout_from_config`).
+        batch: include the rules on how batches split (mini-batches, micro-batches, token budgets).
 
     A layout with a count below 1 (no GPUs, TP 0, ...) gets only the ``world-size`` violations: the other rules
-    and the memory model divide by those counts.
+    (and the planner's memory model) divide by those counts.
     """
     sizes = size_violations(lay)
     if sizes:
         return sizes
     out = _megatron_rules(m, lay) if lay.backend == "megatron" else _fsdp_rules(m, lay)
-    out += _batch_rules(lay) + _rollout_rules(m, lay)
-    if mem is not None:
-        out += _memory_rules(lay, mem)
-    return out
+    return out + (_batch_rules(lay) if batch else []) + _rollout_rules(m, lay)
