@@ -2,8 +2,8 @@
 
 Same run as ``python -m verl.trainer.main_ppo +algorithm=respo ...``; the differences are the primary config
 (``configs/respo_trainer.yaml``, where ``algorithm=respo`` is a plain override and the default), checks that refuse a
-job before anything starts (kernel hyperparameters, routing replay off Megatron, the CPU preset's requirements; also
-under ``--cfg job``), the CPU preset's driver set-up (``+device=cpu``: CPU platform, tiny model kit), and a preflight
+job before anything starts (kernel hyperparameters, routing replay off Megatron, the layout rules, the CPU preset's
+requirements; also under ``--cfg job``), the CPU preset's driver set-up (``+device=cpu``: CPU platform, tiny model kit), and a preflight
 that, once Ray is up, checks on every node that this package is importable and its losses are registered, so that a
 cluster with a node missing the package stops before any model is loaded. With the respo-verl trainer (the presets'
 ``trainer.v1.trainer_mode=respo_sync``), a resume from another run's checkpoint is refused before Ray starts, and
@@ -32,7 +32,9 @@ ENTRY = "respo"  # respo_verl.run.compose.ENTRY_CONFIGS key of this entry point
 
 
 def check(config: DictConfig) -> None:
-    """Every check of a job that needs neither verl nor Ray (ValueError with one line naming the key)."""
+    """Every check of a job that needs neither verl nor Ray (ValueError with one line naming the key): the job's own
+    (:func:`respo_verl.run.jobcheck.check_job`, the layout rules included), the CPU preset's, the trainer's and the
+    resume's."""
     check_job(config)
     check_cpu_job(config)
     launch.check_trainer(config)
@@ -40,17 +42,21 @@ def check(config: DictConfig) -> None:
 
 
 def run(config: DictConfig) -> None:
-    """Check ``config``, set up the CPU preset's driver for a CPU job, then :func:`respo_verl.run.launch.train`."""
-    check(config)
+    """Run a job that passed :func:`check`: set up the CPU preset's driver for a CPU job, then
+    :func:`respo_verl.run.launch.train`, which checks the loss name against verl's registry before Ray starts."""
+    from respo_verl.verl.config import require_policy_loss
+
     if is_cpu_job(config):
         prepare_driver(config)  # before verl's trainer modules ask for the platform
-    launch.train(config)
+    launch.train(config, check_loss=require_policy_loss)
 
 
 def _precheck(argv: list[str]) -> None:
-    """Before Hydra runs: compose the job once and exit 2 with one line for an option of a config group that does not
-    exist (``algorithm=respoo``, ``+cluster=...``, ``routing=r4``); under ``--cfg``/``-c``, also run :func:`check` on
-    the job Hydra is about to print (Hydra prints it without calling the task function)."""
+    """Before Hydra runs: compose the job and :func:`check` it, so that a job that cannot run stops in seconds, before
+    Hydra's own composition imports verl. Exits 2 with one line for an option of a config group that does not exist
+    (``algorithm=respoo``, ``+cluster=...``, ``routing=r4``) or a job :func:`check` refuses. The checks run here
+    only: the job Hydra composes next, from the same files and overrides, is the same job (both compositions are
+    them: tests/run/test_compose.py), and it is what Hydra prints under ``--cfg`` or hands to :func:`_hydra_main`."""
     from hydra._internal.utils import get_args_parser
 
     try:
@@ -74,8 +80,6 @@ def _precheck(argv: list[str]) -> None:
             file=sys.stderr,
         )
         sys.exit(EXIT_REFUSED)
-    if not args.cfg:
-        return
     try:
         check(config)
     except ValueError as exc:
@@ -85,11 +89,7 @@ def _precheck(argv: list[str]) -> None:
 
 @hydra.main(config_path=f"pkg://{CONFIG_PACKAGE}", config_name=PRIMARY_CONFIG, version_base=None)
 def _hydra_main(config: DictConfig) -> None:
-    try:
-        check(config)
-    except ValueError as exc:  # a job that cannot run: one line, before Ray starts
-        print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
-        sys.exit(EXIT_REFUSED)
+    """Hydra's task: the job :func:`_precheck` checked, as Hydra composed it."""
     try:
         run(config)
     except (DataCheckError, MachineCheckError, ModelCheckError) as exc:  # raised before Ray starts

@@ -167,12 +167,14 @@ def check_trainer(config: DictConfig) -> None:
         )
 
 
-def train(config: DictConfig) -> None:
+def train(config: DictConfig, check_loss=None) -> None:
     """Check the machine, the model and the data, validate ``config`` as verl's main_ppo does, then train with verl's
-    V1 or legacy TaskRunner. Raises the checks' errors (DataCheckError, MachineCheckError, ModelCheckError) before
-    Ray starts. A run that stops prints one line naming the cause (:func:`respo_verl.run.stops.stop_of`) on
-    stderr before anything else of the stop, and exits with its status (``SystemExit``); an error the run does not
-    know is re-raised after its line (exit 1, with its traceback)."""
+    V1 or legacy TaskRunner. ``check_loss``, when given, is called with the job's ``policy_loss.loss_mode`` once verl
+    is imported, before the validation (the entry point passes the glue's
+    :func:`respo_verl.verl.config.require_policy_loss`). Raises the checks' errors (DataCheckError,
+    MachineCheckError, ModelCheckError) before Ray starts. A run that stops prints one line naming the cause
+    (:func:`respo_verl.run.stops.stop_of`) on stderr before anything else of the stop, and exits with its status
+    (``SystemExit``); an error the run does not know is re-raised after its line (exit 1, with its traceback)."""
     check_machine(config)  # before Ray: a cuda job on a machine without CUDA, with a Ray of its own
     check_model(config)  # before Ray: a model path that is not there, routing replay on a dense model
     check_data(config)  # before Ray: rows verl would otherwise train on silently
@@ -182,10 +184,9 @@ def train(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    from respo_verl.run.preflight import require_policy_loss
-
     auto_set_device(config)
-    require_policy_loss(config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla"))
+    if check_loss is not None:
+        check_loss(config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla"))
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if config.trainer.use_v1:
         runner_cls = TaskRunnerV1

@@ -32,17 +32,6 @@ PROBE_RUNTIME_ENV = {
 }
 
 
-def require_policy_loss(loss_mode: str) -> None:
-    """Raise unless ``loss_mode`` is registered in verl's policy-loss registry."""
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-    if loss_mode not in POLICY_LOSS_REGISTRY:
-        raise ValueError(
-            f"policy_loss.loss_mode={loss_mode!r} is not registered in verl "
-            f"(registered: {sorted(POLICY_LOSS_REGISTRY)}); {INSTALL_HINT}"
-        )
-
-
 def registered() -> dict[str, bool]:
     """Which of the plugin's registrations are visible in this process: every kernel loss, the estimator, the
     route-drift engines and the respo-verl trainer."""

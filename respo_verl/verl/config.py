@@ -15,6 +15,20 @@ from typing import Any
 from verl.workers.config import PolicyLossConfig
 
 from respo_verl.core.config import CONFIG_BLOCKS, ReSPOConfig, VESPOConfig
+from respo_verl.entry_points import INSTALL_HINT
+
+
+def require_policy_loss(loss_mode: str) -> None:
+    """Raise ValueError unless ``loss_mode`` is registered in verl's policy-loss registry in this process (the
+    plugin registers ours when verl is imported; a missing registration means the package or its plugin is not
+    installed where verl runs)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise ValueError(
+            f"policy_loss.loss_mode={loss_mode!r} is not registered in verl "
+            f"(registered: {sorted(POLICY_LOSS_REGISTRY)}); {INSTALL_HINT}"
+        )
 
 
 def _as_kernel_config(value: Any, cls: type, key: str) -> Any:
@@ -45,7 +59,6 @@ class ReSPOPolicyLossConfig(PolicyLossConfig):
         # BaseConfig freezes assigned fields; normalising a mapping into the dataclass is part of construction.
         for block, cls in CONFIG_BLOCKS.items():  # a field per block (tests/verl/test_configs.py checks)
             object.__setattr__(self, block, _as_kernel_config(getattr(self, block), cls, block))
-        from respo_verl.run.preflight import require_policy_loss
         from respo_verl.verl import plugin  # noqa: F401  (registers the losses in this process)
 
         require_policy_loss(self.loss_mode)

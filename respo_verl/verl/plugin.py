@@ -11,7 +11,7 @@ Loaded three ways, so that every process of a run has the registrations:
   stops the run at start-up rather than at the first update;
 - building :class:`respo_verl.verl.config.ReSPOPolicyLossConfig` (the ``_target_`` of the presets' ``policy_loss``).
 
-verl swallows entry-point failures at DEBUG level; :func:`respo_verl.run.preflight.require_policy_loss` is the
+verl swallows entry-point failures at DEBUG level; :func:`respo_verl.verl.config.require_policy_loss` is the
 loud check.
 
 The route-drift engines (:mod:`respo_verl.routing.engine`) are registered when verl itself imports its Megatron
