@@ -3,13 +3,13 @@
 Same run as ``python -m verl.trainer.main_ppo +algorithm=respo ...``; the differences are the primary config
 (``configs/respo_trainer.yaml``, where ``algorithm=respo`` is a plain override and the default), checks that refuse a
 job before anything starts (kernel hyperparameters, routing replay off Megatron, the layout rules, the CPU preset's
-requirements; also under ``--cfg job``), the CPU preset's driver set-up (``+device=cpu``: CPU platform, tiny model kit), and a preflight
-that, once Ray is up, checks on every node that this package is importable and its losses are registered, so that a
-cluster with a node missing the package stops before any model is loaded. With the respo-verl trainer (the presets'
-``trainer.v1.trainer_mode=respo_sync``), a resume from another run's checkpoint is refused before Ray starts, and
-SIGTERM saves a checkpoint at the end of the current step and ends the run with exit 0. A Ray cluster the driver
-starts itself is stopped once the driver has ended, however it ended (:mod:`respo_verl.run.reaper`). Both of verl's
-trainers run: the V1 trainer (default) and the legacy one (``trainer.use_v1=false``), which has none of the
+requirements; also under ``--cfg job``), the CPU preset's driver set-up (``+device=cpu``: CPU platform, tiny model kit),
+and a preflight that, once Ray is up, checks on every node that this package is importable and its losses are
+registered, so that a cluster with a node missing the package stops before any model is loaded. With the respo-verl
+trainer (the presets' ``trainer.v1.trainer_mode=respo_sync``), a resume from another run's checkpoint is refused before
+Ray starts, and SIGTERM saves a checkpoint at the end of the current step and ends the run with exit 0. A Ray cluster
+the driver starts itself is stopped once the driver has ended, however it ended (:mod:`respo_verl.run.reaper`). Both of
+verl's trainers run: the V1 trainer (default) and the legacy one (``trainer.use_v1=false``), which has none of the
 respo-verl trainer's additions and is refused unless ``run_guard.enable=false`` says so.
 """
 
