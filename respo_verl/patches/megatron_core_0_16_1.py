@@ -18,9 +18,9 @@ exactly those:
   reads the name without a guard);
 - the modules listed in ``_CUDA_LITERAL_MODULES`` (pipeline schedules, MoE utilities, the optimizer, ...) create
   token counters, metric trackers and the optimizer's loss-scale, found-inf and grad-norm scalars with
-  ``device='cuda'`` written out: their module-level name ``torch`` becomes a view of torch whose tensor factories
-  (``tensor``, ``zeros``, ``ones``, ``empty``, ``full``) put ``device='cuda'`` tensors on the CPU (everything else is
-  torch itself);
+  ``device='cuda'`` written out: their module-level name ``torch`` becomes :class:`TorchOnDevice`, a view of torch
+  whose tensor factories (``tensor``, ``zeros``, ``ones``, ``empty``, ``full`` and the ``_like`` ones) put
+  ``device='cuda'`` tensors on the CPU (everything else is torch itself);
 - ``maybe_move_tensor_to_cpu`` as the MoE token dispatchers use it: on a GPU it brings the all-to-all split sizes to
   the host as numpy arrays, which ``torch.distributed.all_to_all_single`` takes as its size lists; tensors already on
   the CPU were returned unchanged, and ``all_to_all_single`` rejects a tensor there (expert parallelism > 1). The CPU
@@ -42,6 +42,7 @@ when no CPU test or benchmark drives megatron-core any more.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 
 from respo_verl.patches import Patch
@@ -86,25 +87,28 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
 )
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
 
 
-class _CPUTorch:
-    """``torch`` as a module-level name, with ``device='cuda'`` in the tensor factories meaning the CPU."""
+class TorchOnDevice:
+    """``torch`` as a module-level name of a megatron-core module, with ``device='cuda'`` in its tensor factories
+    meaning ``device`` instead: the CPU here, the meta device in the meta build (:mod:`respo_verl.patches.meta_build`).
+    Every other name, and a factory called with any other device, is torch's own."""
 
-    def __init__(self, torch_module):
+    FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like")
+
+    def __init__(self, torch_module, device: str):
         self._torch = torch_module
-        for name in _FACTORIES:
-            setattr(self, name, self._on_cpu(getattr(torch_module, name)))
+        for name in self.FACTORIES:
+            setattr(self, name, self._on(device, getattr(torch_module, name)))
 
     @staticmethod
-    def _on_cpu(factory):
+    def _on(device: str, factory):
+        @functools.wraps(factory)
         def make(*args, **kwargs):
             if str(kwargs.get("device", "")).startswith("cuda"):
-                kwargs["device"] = "cpu"
+                kwargs["device"] = device
             return factory(*args, **kwargs)
 
-        make.__name__ = factory.__name__
         return make
 
     def __getattr__(self, name):
@@ -180,7 +184,7 @@ def _install(patch: Patch) -> None:
         _host_copy(token_dispatcher.maybe_move_tensor_to_cpu),
         "all-to-all split sizes must reach torch as host lists",
     )
-    cpu_torch = _CPUTorch(torch)
+    cpu_torch = TorchOnDevice(torch, "cpu")
     for module_name in _CUDA_LITERAL_MODULES:
         patch.replace(importlib.import_module(module_name), "torch", cpu_torch, "device='cuda' written out")
 

@@ -27,6 +27,7 @@ import functools
 import importlib
 
 from respo_verl.patches import Patch
+from respo_verl.patches.megatron_core_0_16_1 import TorchOnDevice
 
 # (short name, what it stands in for and why, what it may hide), in the order of the header line.
 DEVIATIONS: tuple[tuple[str, str, str], ...] = (
@@ -120,30 +121,6 @@ def _meta_norm(torch_norm: type) -> type:
     return MetaBuildNorm
 
 
-class _MetaTorch:
-    """``torch`` as a module-level name, with ``device='cuda'`` in the tensor factories meaning the meta device."""
-
-    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like")
-
-    def __init__(self, torch_module):
-        self._torch = torch_module
-        for name in self._FACTORIES:
-            setattr(self, name, self._on_meta(getattr(torch_module, name)))
-
-    @staticmethod
-    def _on_meta(factory):
-        @functools.wraps(factory)
-        def make(*args, **kwargs):
-            if str(kwargs.get("device", "")).startswith("cuda"):
-                kwargs["device"] = "meta"
-            return factory(*args, **kwargs)
-
-        return make
-
-    def __getattr__(self, name):
-        return getattr(self._torch, name)
-
-
 # megatron-core modules on the optimizer's build path that write device='cuda' into tensor factories.
 _CUDA_LITERAL_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer")
 
@@ -220,7 +197,7 @@ def _install_megatron(patch: Patch) -> None:
             _te_min_version(megatron_utils.is_te_min_version),
             "fails with TE absent",
         )
-    meta_torch = _MetaTorch(torch)
+    meta_torch = TorchOnDevice(torch, "meta")
     for module_name in _CUDA_LITERAL_MODULES:
         patch.replace(importlib.import_module(module_name), "torch", meta_torch, "device='cuda' written out")
     patch.replace(token_dispatcher, "set_deepep_num_sms", lambda num_sms: None, "DeepEP's SM count, set at build")

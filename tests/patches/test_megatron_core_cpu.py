@@ -45,3 +45,26 @@ def test_importing_the_patch_changes_nothing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_torch_stand_in_moves_cuda_factories_only(device):
+    """One stand-in for the CPU patch (device cpu) and the meta build (device meta): a factory called with
+    ``device='cuda'`` builds on ``device``; another device, no device and every other name are torch's own."""
+    from respo_verl.patches import meta_build
+    from respo_verl.patches.megatron_core_0_16_1 import TorchOnDevice
+
+    stand_in = TorchOnDevice(torch, device)
+    for name in TorchOnDevice.FACTORIES:
+        factory = getattr(stand_in, name)
+        assert factory.__name__ == getattr(torch, name).__name__
+        if name.endswith("_like"):
+            made = factory(torch.ones(3), device="cuda:0")
+            assert made.device.type == device and made.shape == (3,)
+            continue
+        args = ([1.0, 2.0],) if name == "tensor" else ((2,), 0.5) if name == "full" else ((2,),)
+        assert factory(*args, device="cuda").device.type == device
+        assert factory(*args, device="cpu").device.type == "cpu"
+        assert factory(*args).device.type == "cpu"
+    assert stand_in.float32 is torch.float32 and stand_in.cat is torch.cat
+    assert meta_build.TorchOnDevice is TorchOnDevice  # the meta build's stand-in is this one
