@@ -16,7 +16,12 @@ alive, every process whose command line names the session's folder, and all thei
 SIGKILL after :data:`TERM_GRACE_S`. Bound: every such process is gone :data:`REAP_BOUND_S` seconds after the
 driver's exit at the latest (worst case by construction: :data:`DEATH_POLL_S` + :data:`TERM_GRACE_S` +
 :data:`KILL_WAIT_S`). It never touches a cluster the driver connected to through an address (the entry point does
-not start it then) nor anything outside the driver's process tree and the session's folder.
+not start it then) nor anything outside the driver's process tree and the session's folder, and never a process of
+another user: every target runs under the reaper's own uid. A process found only through the session's folder on
+its command line is left alone when it is a shell or holds a terminal (:func:`strange_by_folder`: a user's
+``less`` of a Ray log, an editor).
+Signals go through a pidfd (Linux 5.3 and later) opened while the process is checked to be the one recorded, so a
+pid the kernel reuses meanwhile is never signalled; elsewhere through the pid, checked just before.
 
 Linux only (it reads ``/proc``); stdlib only, so that the reaper starts in a fraction of a second.
 """
@@ -46,6 +51,10 @@ REAP_BOUND_S = 10.0
 _PROC = Path("/proc")
 
 
+# Never stopped because their command line names the session folder: a user looking at a Ray log from a shell.
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})
+
+
 @dataclass(frozen=True)
 class Proc:
     """One process as ``/proc/<pid>/stat`` shows it."""
@@ -54,16 +63,36 @@ class Proc:
     ppid: int
     start: int  # clock ticks after boot: with the pid, identifies a process for its lifetime
     state: str  # "Z": a zombie, already ended
+    uid: int = -1  # the owner of /proc/<pid>: the process's effective uid
+    tty: int = 0  # its controlling terminal's device number, 0 for none
+    comm: str = ""  # its command name (at most 15 characters)
+    pgrp: int = 0
+    session: int = 0
+    tpgid: int = -1  # the terminal's foreground process group, -1 without a terminal
 
 
 def _read_stat(pid: int) -> Proc | None:
     try:
         text = (_PROC / str(pid) / "stat").read_text()
+        uid = (_PROC / str(pid)).stat().st_uid
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may contain spaces and parentheses: split after the last ")".
-    rest = text.rsplit(")", 1)[1].split()
-    return Proc(pid=pid, ppid=int(rest[1]), start=int(rest[19]), state=rest[0])
+    head, _, tail = text.rpartition(")")
+    rest = tail.split()
+    comm = head.partition("(")[2]
+    return Proc(
+        pid=pid,
+        ppid=int(rest[1]),
+        start=int(rest[19]),
+        state=rest[0],
+        uid=uid,
+        tty=int(rest[4]),
+        comm=comm,
+        pgrp=int(rest[2]),
+        session=int(rest[3]),
+        tpgid=int(rest[5]),
+    )
 
 
 def process_table() -> dict[int, Proc]:
@@ -73,6 +102,15 @@ def process_table() -> dict[int, Proc]:
         if entry.name.isdigit() and (proc := _read_stat(int(entry.name))) is not None:
             table[proc.pid] = proc
     return table
+
+
+def strange_by_folder(proc: Proc) -> bool:
+    """Whether a process whose command line names the session folder is still not the cluster's: a shell, or one
+    that holds a terminal (the leader of a terminal's session, or a process in its foreground, what a user looks
+    at). Ray's processes of a driver started at a terminal share that terminal, but not its foreground once the
+    driver has ended."""
+    holds_terminal = proc.tty != 0 and (proc.session == proc.pid or proc.tpgid == proc.pgrp)
+    return holds_terminal or proc.comm in SHELLS
 
 
 def descendants(roots: set[int], table: dict[int, Proc]) -> set[int]:
@@ -112,15 +150,15 @@ def reap(recorded: dict[int, int], session_dir: str | None) -> tuple[int, int]:
 
     Returns (processes stopped, of which by SIGKILL).
     """
-    me = os.getpid()
+    me, uid = os.getpid(), os.geteuid()
     stopped: dict[int, int] = {}  # pid -> start time of every process signalled
     killed: set[int] = set()
 
     def targets() -> dict[int, int]:
-        table = process_table()
+        table = {pid: proc for pid, proc in process_table().items() if proc.uid == uid}  # never another user's
         roots = {pid for pid, start in {**recorded, **stopped}.items() if pid in table and table[pid].start == start}
         if session_dir:
-            roots |= {pid for pid in table if names_folder(pid, session_dir)}
+            roots |= {pid for pid in table if not strange_by_folder(table[pid]) and names_folder(pid, session_dir)}
         found = roots | descendants(roots, table)
         return {pid: table[pid].start for pid in found - {me, 1} if table[pid].state != "Z"}
 
@@ -131,26 +169,49 @@ def reap(recorded: dict[int, int], session_dir: str | None) -> tuple[int, int]:
     began = time.monotonic()
     first = targets()
     stopped.update(first)
-    for pid in first:
-        _signal(pid, signal.SIGTERM)
+    for pid, start in first.items():
+        _signal(pid, start, signal.SIGTERM)
     wait(set(first), began + TERM_GRACE_S)
     for _ in range(3):  # a process may start another while it is stopped: look again, a bounded number of times
         left = {pid: start for pid, start in targets().items() if stopped.get(pid, start) == start}
         if not left or time.monotonic() >= began + TERM_GRACE_S + KILL_WAIT_S:
             break
         stopped.update(left)
-        for pid in left:
-            _signal(pid, signal.SIGKILL)
+        for pid, start in left.items():
+            _signal(pid, start, signal.SIGKILL)
         killed |= set(left)
         wait(set(left), began + TERM_GRACE_S + KILL_WAIT_S)
     return len(stopped), len(killed)
 
 
-def _signal(pid: int, sig: signal.Signals) -> None:
+def _signal(pid: int, start: int, sig: signal.Signals) -> bool:
+    """Send ``sig`` to the process recorded as (pid, start), never to another that has its pid now; whether sent.
+
+    Through a pidfd where the kernel has them: opened first, then the process is checked to be the recorded one,
+    and the signal goes to the process the pidfd holds (a pid reused after the check is not it)."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    fd = None
+    if pidfd_open is not None:
+        try:
+            fd = pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            fd = None  # ENOSYS: a kernel before 5.3; signal by pid below
     try:
-        os.kill(pid, sig)
+        proc = _read_stat(pid)
+        if proc is None or proc.start != start or proc.uid != os.geteuid():
+            return False
+        if fd is not None:
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(pid, sig)
+        return True
     except (ProcessLookupError, PermissionError):
-        pass
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def watch(driver_pid: int, driver_start: int, session_dir: str | None) -> tuple[int, int]:

@@ -136,3 +136,90 @@ def test_watch_driver_refuses_a_pid_that_is_not_there():
     dead.wait()
     with pytest.raises(ValueError, match=f"no process {dead.pid} to watch"):
         watch_driver(None, driver_pid=dead.pid)
+
+
+# --- process control that cannot hit a stranger (issue 55) ---------------------------------------------------------
+
+
+def _sleeper(*args: str, **popen) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, *args], **popen)
+    deadline = time.monotonic() + 10
+    while (_read_stat(proc.pid) is None or not names_folder_ready(proc.pid, args)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc
+
+
+def names_folder_ready(pid: int, args) -> bool:
+    """Whether ``pid`` has exec'd the sleeper (its command line holds ``args``), so that it is what it stands for."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return all(os.fsencode(a) in cmdline for a in args)
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process of another user needs root")
+def test_a_process_of_another_user_is_never_stopped_even_when_recorded(tmp_path):
+    from respo_verl.run.reaper import reap
+
+    session = str(tmp_path / "session_x")
+    stranger = subprocess.Popen(["sleep", "300"], user=65534)  # nobody's: "recorded", as a reused pid could be
+    ours = _sleeper(session)
+    while _read_stat(stranger.pid) is None or _read_stat(stranger.pid).uid != 65534:
+        time.sleep(0.02)
+    try:
+        recorded = {p.pid: _read_stat(p.pid).start for p in (stranger, ours)}
+        reap(recorded, session)
+        assert ours.wait(timeout=20) == -signal.SIGTERM
+        assert stranger.poll() is None and alive(stranger.pid, recorded[stranger.pid])
+    finally:
+        _stop(stranger, ours)
+
+
+def test_a_shell_or_a_terminal_holder_naming_the_folder_is_left_alone(tmp_path):
+    import fcntl
+    import pty
+    import termios
+
+    from respo_verl.run.reaper import reap
+
+    session = str(tmp_path / "session_x")
+    shell = subprocess.Popen(["bash", "-c", "sleep 300; : " + session])  # a user's shell, e.g. `less` of a log
+    primary, secondary = pty.openpty()
+
+    def take_terminal():  # the test's stand-in for a user's terminal program: leads a session on a terminal
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    on_terminal = _sleeper(session, "on-terminal", stdin=secondary, start_new_session=True, preexec_fn=take_terminal)
+    stray = _sleeper(session)  # an orphan of the cluster: no terminal, not a shell
+    try:
+        time.sleep(0.3)  # bash has started its `sleep`
+        assert _read_stat(on_terminal.pid).tty != 0
+        reap({}, session)
+        assert stray.wait(timeout=20) == -signal.SIGTERM
+        assert shell.poll() is None and on_terminal.poll() is None
+    finally:
+        _stop(shell, on_terminal, stray)
+        os.close(primary)
+        os.close(secondary)
+
+
+def test_a_signal_goes_only_to_the_process_recorded_by_pid_and_start():
+    from respo_verl.run.reaper import _signal
+
+    proc = _sleeper()
+    try:
+        start = _read_stat(proc.pid).start
+        assert not _signal(proc.pid, start + 1, signal.SIGTERM)  # another process's start: the pid was reused
+        assert proc.poll() is None
+        assert _signal(proc.pid, start, signal.SIGTERM)
+        assert proc.wait(timeout=20) == -signal.SIGTERM
+        assert not _signal(proc.pid, start, signal.SIGTERM)  # gone (reaped): nothing is sent
+    finally:
+        _stop(proc)
