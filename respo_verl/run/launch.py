@@ -97,8 +97,21 @@ def watch_phases(config: DictConfig):
     path = phase_file(checkpoint.checkpoint_folder(config))
     path.unlink(missing_ok=True)
     _PHASE_DEADLINE = PhaseDeadline(path, guard)
+    interruptible_main()
     _PHASE_DEADLINE.start(on_stop=_thread.interrupt_main)
     return _PHASE_DEADLINE
+
+
+def interruptible_main() -> None:
+    """Make ``_thread.interrupt_main`` raise KeyboardInterrupt in this process's main thread.
+
+    It does so only where SIGINT has a Python handler, and a process started in the background by a non-interactive
+    shell (``nohup``, ``cmd &``, many batch scripts) inherits SIGINT ignored: Python then installs none, and the
+    phase deadline's interrupt did nothing (a driver so started sat in a hung weight sync past every bound). A SIGINT
+    that is ignored or left to the system gets Python's own handler back.
+    """
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stop_on_sigterm(config: DictConfig) -> Path | None:
