@@ -270,6 +270,8 @@ def _trainer_class() -> type:
 
         def _save_checkpoint(self):
             folder = Path(checkpoint.checkpoint_folder(self.config)) / f"global_step_{self.global_steps}"
+            # a step saved again (after a resume from an earlier checkpoint): its old marker no longer describes it
+            (folder / checkpoint.MARKER).unlink(missing_ok=True)
             with self._phase("save", "update worker", "critic worker", folder=folder):
                 super()._save_checkpoint()
             self._saved_step = self.global_steps

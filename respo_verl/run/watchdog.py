@@ -331,14 +331,14 @@ class PhaseDeadline:
             if quiet > self.guard.max_stall_after_stop_s:
                 return StalledAfterStop(
                     f"step {step}: stop requested (SIGTERM) during the phase '{phase}', and no phase ended and no "
-                    f"progress for {quiet:.0f} s after it > run_guard.max_stall_after_stop_s="
+                    f"progress for {quiet:.1f} s after it > run_guard.max_stall_after_stop_s="
                     f"{self.guard.max_stall_after_stop_s:g}; {waits}: ended without saving step {step}; a relaunch "
                     "resumes from the last checkpoint"
                 )
         quiet = now - self._changed_at
         if quiet > self.guard.max_phase_s:
             return PhaseStalled(
-                f"step {step}: the phase '{phase}' has run for {quiet:.0f} s with no progress > "
+                f"step {step}: the phase '{phase}' has run for {quiet:.1f} s with no progress > "
                 f"run_guard.max_phase_s={self.guard.max_phase_s:g}; {waits}"
             )
         return None

@@ -1,9 +1,11 @@
 """Runs that would hang for ever stop, end to end on CPU: ``python -m respo_verl.main_ppo algorithm=respo +device=cpu``.
 
 Real subprocesses of our entry point, as in test_cpu_stops.py: the run's reward worker killed between steps (the
-liveness watch of the actors a step waits on), and a reward function that never returns (the step-progress
-watchdog). verl 0.9.1 would wait for ever in both: its replay buffer polls for the step's samples with no timeout.
-About 80 s each on a 2-core machine with other jobs.
+liveness watch of the actors a step waits on), a reward function that never returns (the step-progress watchdog),
+and the update worker frozen with SIGSTOP between steps (the watchdog's phase deadline, measured in the driver).
+verl 0.9.1 would wait for ever in the first two (its replay buffer polls for the step's samples with no timeout);
+in the third, Ray's keepalive ended the run after 426 s with no phase, step or actor kind named. About 80-120 s each
+on a 2-core machine with other jobs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 from support import cpu_runs
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit
-from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_STALLED
+from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_PHASE_STALLED, EXIT_STALLED
+from respo_verl.run.watchdog import PHASE_CHECK_INTERVAL_S, PHASE_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +96,60 @@ def test_a_step_whose_reward_never_returns_is_stopped_by_the_watchdog(kit, tmp_p
     assert 5 <= int(found[1]) <= 20, found[0]
     assert cpu_runs.logged_steps(tmp_path / "log.jsonl") == []
     print(found[0])
+
+
+# The phase deadline of the frozen-worker run: above the longest healthy phase of a CPU step on a loaded 2-core
+# machine (each under a second idle), short enough to keep the test near two minutes.
+MAX_PHASE_S = 30
+
+
+def test_a_frozen_update_worker_is_stopped_by_the_phase_deadline_naming_step_phase_and_actors(kit, tmp_path):
+    """SIGSTOP of the run's update worker (``ray::WorkerDict``, a process of this run's driver) once step 1 is
+    logged: a stand-in for a rank stuck in a collective, except that a frozen process stops answering Ray too.
+    Step 2's next call into it never returns; the driver's phase deadline, which reads the trainer's phase record and
+    asks no actor, stops the run within ``run_guard.max_phase_s`` plus its check interval of the freeze, with exit 7
+    and one line naming the step, the phase and the update worker it waits on."""
+    import psutil
+
+    frozen: dict = {}
+    record = tmp_path / "ckpt" / PHASE_FILE
+    seen = {"text": None, "at": None}
+
+    def freeze_update_worker(proc, out: str) -> None:
+        text = record.read_text() if record.is_file() else None
+        if text != seen["text"] and cpu_runs.STOP not in out:
+            seen.update(text=text, at=time.monotonic())  # the trainer's phase record changed
+        if not frozen and cpu_runs.logged_steps(tmp_path / "log.jsonl"):
+            workers = [
+                p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::WorkerDict")
+            ]
+            assert len(workers) == 1, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+            workers[0].suspend()  # SIGSTOP
+            frozen.update(process=workers[0], at=time.monotonic())
+        elif frozen and "stopped" not in frozen and cpu_runs.STOP in out:
+            frozen["stopped"] = time.monotonic()  # the stop line is out (the launcher looks every 0.5 s)
+
+    command = cpu_runs.command(tmp_path / "ckpt", 2, 3, "trainer.save_freq=-1", f"run_guard.max_phase_s={MAX_PHASE_S}")
+    try:
+        rc, out = cpu_runs.launch(tmp_path, command, timeout=480, while_running=freeze_update_worker)
+    finally:
+        if frozen and frozen["process"].is_running():
+            frozen["process"].kill()  # a stopped process takes SIGKILL; nothing of the run may outlive the test
+    assert frozen, out[-4000:]
+    assert rc == EXIT_PHASE_STALLED, out[-4000:]
+    found = cpu_runs.stop_line(
+        out,
+        rf"\(watchdog, phase deadline, exit {EXIT_PHASE_STALLED}\): step 2: the phase '([a-z -]+)' has run for "
+        rf"([0-9.]+) s with no progress > run_guard.max_phase_s={MAX_PHASE_S}; it waits on (.+)",
+    )
+    phase, seconds, actors = found[1], float(found[2]), found[3]
+    assert phase in ("old log-probs", "update", "weight sync"), found[0]
+    assert "1 update worker" in actors, found[0]
+    assert MAX_PHASE_S <= seconds <= MAX_PHASE_S + PHASE_CHECK_INTERVAL_S + 1, found[0]
+    # within the bound plus the check interval of the record's last change (the launcher looks every 0.5 s)
+    quiet = frozen["stopped"] - seen["at"]
+    assert quiet <= MAX_PHASE_S + PHASE_CHECK_INTERVAL_S + 1.5, f"stop line {quiet:.1f} s after the last change"
+    assert seen["at"] >= frozen["at"] - 0.5 and '"step": 2' in seen["text"], seen
+    assert cpu_runs.logged_steps(tmp_path / "log.jsonl") == [1]
+    after = frozen["stopped"] - frozen["at"]
+    print(f"update worker frozen; stop line {after:.1f} s later, {quiet:.1f} s after the last phase change: {found[0]}")

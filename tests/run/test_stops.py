@@ -299,7 +299,7 @@ def test_the_phase_deadline_stops_a_phase_that_makes_no_progress(tmp_path):
         stop = deadline.check()
     assert isinstance(stop, PhaseStalled) and stop.exit_status == EXIT_PHASE_STALLED
     assert str(stop) == (
-        "step 2: the phase 'update' has run for 32 s with no progress > run_guard.max_phase_s=30; it waits on 1 "
+        "step 2: the phase 'update' has run for 31.5 s with no progress > run_guard.max_phase_s=30; it waits on 1 "
         "update worker"
     )
     assert deadline.check() is None  # the phase ended: the record changed
@@ -320,7 +320,7 @@ def test_a_save_whose_folder_grows_is_progress(tmp_path):
         (saving / f"part{part}").write_bytes(b"x" * 10)
         assert deadline.check() is None
     clock.now += 31
-    assert "step 3: the phase 'save' has run for 31 s" in str(deadline.check())
+    assert "step 3: the phase 'save' has run for 31.0 s" in str(deadline.check())
 
 
 def test_after_sigterm_a_stalled_phase_ends_within_the_shorter_bound(tmp_path):
@@ -336,9 +336,9 @@ def test_after_sigterm_a_stalled_phase_ends_within_the_shorter_bound(tmp_path):
     stop = deadline.check()
     assert isinstance(stop, StalledAfterStop) and stop.exit_status == EXIT_STALLED_AFTER_STOP
     assert str(stop).startswith(
-        "step 5: stop requested (SIGTERM) during the phase 'weight sync', and no phase ended and no progress for 61 s "
-        "after it > run_guard.max_stall_after_stop_s=60; it waits on 1 update worker, 1 rollout server: ended "
-        "without saving step 5"
+        "step 5: stop requested (SIGTERM) during the phase 'weight sync', and no phase ended and no progress for "
+        "61.0 s after it > run_guard.max_stall_after_stop_s=60; it waits on 1 update worker, 1 rollout server: "
+        "ended without saving step 5"
     ), stop
 
 
