@@ -208,7 +208,21 @@ def waits_on(trainer: Any, *kinds: str) -> str:
         count = int(getattr(group, "world_size", 0) or 0) if kind in WORKER_GROUPS else len(others.get(kind, ()))
         if count:
             counts[kind] = max(counts.get(kind, 0), count)
-    return ", ".join(f"{n} {kind}{'s' if n != 1 else ''}" for kind, n in counts.items()) or BETWEEN_PHASES
+    rollout = _rollout_name(trainer)
+
+    def label(kind: str, n: int) -> str:
+        text = f"{n} {kind}{'s' if n != 1 else ''}"
+        return f"{text} ({rollout})" if kind == "rollout server" and rollout else text
+
+    return ", ".join(label(kind, n) for kind, n in counts.items()) or BETWEEN_PHASES
+
+
+def _rollout_name(trainer: Any) -> str | None:
+    """The job's rollout engine (``actor_rollout_ref.rollout.name``: vllm, sglang, hf_cpu, ...), or None."""
+    try:
+        return str(trainer.config.actor_rollout_ref.rollout.name)
+    except Exception:  # a trainer without verl's config (tests' stand-ins)
+        return None
 
 
 def phase_file(folder: Path | str) -> Path:

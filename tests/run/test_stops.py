@@ -383,3 +383,6 @@ def test_waits_on_counts_the_actors_of_a_phase_by_role():
         "1 agent-loop worker, 2 reward workers, 1 rollout server, 1 rollout load balancer"
     )
     assert waits_on(trainer, "critic worker") == BETWEEN_PHASES
+    # with verl's config, the rollout servers are named by their engine (a dead vLLM engine hangs a weight sync)
+    trainer.config = SimpleNamespace(actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(name="vllm")))
+    assert waits_on(trainer, "update worker", "rollout server") == "2 update workers, 1 rollout server (vllm)"
