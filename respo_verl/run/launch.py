@@ -1,12 +1,12 @@
 """The steps of a run that come after composition, in the order the entry point takes them.
 
 :func:`check_trainer` and :func:`check_resume` refuse, before anything starts, verl's legacy trainer with the
-guards on and a resume from another run's checkpoint (the job's own checks are :mod:`respo_verl.run.jobcheck`'s).
-:func:`train` checks the
-machine, the model and the data before Ray, validates the job as verl's own entry point does, and starts verl's
-TaskRunner with two hooks that run once Ray is up: the node preflight (:mod:`respo_verl.run.preflight`) and the
-SIGTERM handler (save at the end of the step, then stop). A Ray cluster the driver starts itself is stopped once the
-driver has ended, however it ended (:mod:`respo_verl.run.reaper`).
+guards on and a resume from another run's checkpoint or from a damaged one (the job's own checks are
+:mod:`respo_verl.run.jobcheck`'s). :func:`train` checks the machine, the model and the data before Ray, validates the
+job as verl's own entry point does, and starts verl's TaskRunner with three hooks that run once Ray is up: the node
+preflight (:mod:`respo_verl.run.preflight`), the SIGTERM handler (save at the end of the step, then stop) and the
+watchdog's phase deadline (:func:`watch_phases`). A Ray cluster the driver starts itself is stopped once the driver
+has ended, however it ended (:mod:`respo_verl.run.reaper`).
 """
 
 from __future__ import annotations
