@@ -67,7 +67,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 # The repository (respo_verl, with its tiny MoE model respo_verl.cpu.kit.megatron_moe), carried wheels first.
 export PYTHONPATH="${SITE:+$SITE:}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled
+export PYTHONUNBUFFERED=1 TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1
 
 cd "$ROOT"
 exec "$PYTHON" - "$DEVICE" "$BATCH" "$LENGTH" "$ROOT" <<'EOF'

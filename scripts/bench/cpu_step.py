@@ -55,7 +55,7 @@ def run_once(condition: str, steps: int, reuse: int, workdir: Path) -> dict[str,
     ]  # fmt: skip
     if condition == UNMEASURED:
         cmd.append("+ray_kwargs.ray_init.runtime_env.env_vars.RESPO_VERL_STARVED_MASS='0'")
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=workdir)
     if proc.returncode != 0:
         sys.exit(f"{algorithm} run failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")

@@ -152,7 +152,7 @@ def connect(address: str):
         return JobSubmissionClient(address, headers=headers or None)
     except Exception as exc:  # ConnectionError (dashboard), ray.exceptions.RpcError (GCS), ValueError (address)
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if any(code in cause for code in ("401", "403", "Unauthorized", "Forbidden", "Authentication")):
+        if any(sign in cause.lower() for sign in ("401", "403", "unauthorized", "forbidden", "authenticat")):
             sent = "its token was refused" if headers else "no token was found here"
             cause = (
                 f"the cluster wants a token and {sent} (set {TOKEN_ENV} or {TOKEN_PATH_ENV} to the head's token, "

@@ -1,0 +1,95 @@
+"""scripts/launch/ray_cluster.sh starts Ray with token auth and a dashboard that is not open to the network.
+
+Real: bash running the script, the token file it makes, its checks. Faked, because starting a real cluster is not
+what is tested here (and takes a minute): ``ray`` and ``python3`` on PATH are stand-ins that record their arguments
+and the environment Ray would read its auth settings from.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts/launch/ray_cluster.sh"
+RECORDER = """#!/usr/bin/env bash
+echo "$(basename "$0") $* | mode=${RAY_AUTH_MODE:-} path=${RAY_AUTH_TOKEN_PATH:-} token=${RAY_AUTH_TOKEN:-}" >> "$CALLS"
+"""
+
+
+def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("ray", "python3"):
+        (bin_dir / name).write_text(RECORDER)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls.log"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    full = {
+        **base,
+        "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "CALLS": str(calls),
+        "HOME": str(tmp_path),
+    }
+    res = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env={**full, **env}, timeout=60)
+    return res, calls.read_text().splitlines() if calls.is_file() else []
+
+
+def _ray_start(calls: list[str]) -> str:
+    (line,) = [c for c in calls if c.startswith("ray start")]
+    return line
+
+
+def test_the_head_makes_a_private_token_and_starts_with_auth_on_a_local_dashboard(tmp_path):
+    res, calls = _run(tmp_path, "head")
+    assert res.returncode == 0, res.stderr
+    token = tmp_path / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text().strip()) == 64
+    line = _ray_start(calls)
+    assert "--dashboard-host=127.0.0.1 " in line and "0.0.0.0" not in line
+    assert line.endswith(f"| mode=token path={token} token=")
+    assert f"making a Ray token in {token}" in res.stdout
+
+    again, calls = _run(tmp_path, "head")  # a second start keeps the token every node already has
+    assert again.returncode == 0 and "making" not in again.stdout and token.read_text() == token.read_text()
+
+
+def test_the_dashboard_host_is_a_knob(tmp_path):
+    res, calls = _run(tmp_path, "head", DASHBOARD_HOST="10.0.0.1")
+    assert res.returncode == 0, res.stderr
+    assert "--dashboard-host=10.0.0.1 " in _ray_start(calls)
+
+
+def test_a_worker_needs_the_heads_token_and_uses_it(tmp_path):
+    res, calls = _run(tmp_path, "worker", "10.0.0.1")
+    assert res.returncode == 2 and not calls
+    assert res.stderr.startswith(f"ray_cluster.sh: no Ray token in {tmp_path}/.ray/auth_token: run ")
+    shared = tmp_path / "shared-token"
+    shared.write_text("f" * 64 + "\n")
+    shared.chmod(0o600)
+    res, calls = _run(tmp_path, "worker", "10.0.0.1", RAY_AUTH_TOKEN_PATH=str(shared))
+    assert res.returncode == 0, res.stderr
+    assert _ray_start(calls).endswith(f"--block | mode=token path={shared} token=")
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640])
+def test_a_token_others_can_read_is_refused(tmp_path, mode):
+    token = tmp_path / "token"
+    token.write_text("f" * 64 + "\n")
+    token.chmod(mode)
+    res, calls = _run(tmp_path, "head", RAY_AUTH_TOKEN_PATH=str(token))
+    assert res.returncode == 2 and not calls
+    assert res.stderr.strip() == (
+        f"ray_cluster.sh: {token} is readable by others (mode {mode:o}): chmod 600 it, or make a new token"
+    )
+
+
+def test_a_dry_run_makes_no_token(tmp_path):
+    res, calls = _run(tmp_path, "head", DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    assert not (tmp_path / ".ray").exists() and not calls
+    assert "--dashboard-host=127.0.0.1" in res.stdout

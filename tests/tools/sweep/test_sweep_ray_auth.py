@@ -1,0 +1,76 @@
+"""``respo-verl sweep --ray`` sends the cluster's token: where it is found (fast), and a real Ray head with token
+auth that answers the sweep's client with the token and refuses it without (slow: ``ray start --head``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from support import ray_auth
+
+from respo_verl.run.reaper import reap
+from respo_verl.tools.sweep.runner import ClusterError, auth_headers, connect, ray_token
+
+
+def test_the_token_is_found_where_ray_looks_for_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    named, default = tmp_path / "named", tmp_path / ".ray" / "auth_token"
+    named.write_text("from-the-named-file\n")
+    default.parent.mkdir()
+    default.write_text("from-the-default-file\n")
+    assert ray_token({}) == "from-the-default-file"
+    assert ray_token({"RAY_AUTH_TOKEN_PATH": str(named)}) == "from-the-named-file"
+    assert ray_token({"RAY_AUTH_TOKEN_PATH": str(named), "RAY_AUTH_TOKEN": "from-env"}) == "from-env"
+    assert ray_token({"RAY_AUTH_TOKEN": "from-env", "RAY_AUTH_MODE": "disabled"}) is None
+    assert auth_headers({"RAY_AUTH_TOKEN": "t"}) == {"Authorization": "Bearer t"}
+    default.unlink()
+    assert ray_token({}) is None and auth_headers({}) == {}
+    with pytest.raises(ClusterError, match=f"RAY_AUTH_TOKEN_PATH={tmp_path}/none: no such file"):
+        ray_token({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "none")})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_head_with_token_auth_answers_the_sweeps_client_only_with_the_token(tmp_path, monkeypatch):
+    temp = tempfile.mkdtemp(prefix="rva-", dir="/tmp")  # Ray's socket paths must stay short
+    dashboard = _free_port()
+    command = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={_free_port()}",
+        f"--dashboard-port={dashboard}", "--include-dashboard=true", "--num-cpus=1", f"--temp-dir={temp}",
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    try:
+        # a session of its own: no terminal, so that the reaper below stops the head's processes
+        started = subprocess.run(
+            command, env=ray_auth.env(), capture_output=True, text=True, timeout=300, start_new_session=True
+        )
+        assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+        address = f"http://127.0.0.1:{dashboard}"
+        monkeypatch.setenv("RAY_AUTH_TOKEN", ray_auth.env()["RAY_AUTH_TOKEN"])
+        assert connect(address).list_jobs() == []
+        monkeypatch.delenv("RAY_AUTH_TOKEN")
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token either
+        with pytest.raises(ClusterError) as refused:
+            connect(address)
+        assert str(refused.value).startswith(
+            f"cannot reach the Ray cluster at {address}: the cluster wants a token and no token was found here"
+        )
+        monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)
+        with pytest.raises(ClusterError, match="its token was refused"):
+            connect(address)
+    finally:
+        reap({}, temp)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert os.environ.get("RAY_AUTH_MODE") != "disabled"
