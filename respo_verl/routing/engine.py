@@ -41,8 +41,9 @@ logged a second time under ``routing/by_update/j<j>/...``
 0 for the first mini-batch on a rollout batch, N − 1 for the last (N·epochs − 1 with ``ppo_epochs`` > 1). verl's
 worker runs one ``train_batch`` per mini-batch and marks the last of the pass with the batch flag
 ``update_lr_scheduler``, so the engine counts training calls and starts again at 0 after that flag: host-side
-bookkeeping of a non-tensor flag, no host sync. Each j's key appears once per step, so the trainer's mean over
-the step's mini-batches is that j's value.
+bookkeeping of a non-tensor flag, no host sync. A replaying forward-only call (the next rollout batch's
+old-log-prob pass, which records R2's routes) also starts it again, for a caller that sets no such flag. Each j's
+key appears once per step, so the trainer's mean over the step's mini-batches is that j's value.
 
 Delete when: verl reports route drift (or replay statistics) from its Megatron engine itself, or offers a per-step
 hook on the engine that can add metrics.
@@ -193,6 +194,7 @@ class _EngineRouteDrift:
             sums = self.monitor.sums(reset=True)
         if forward_only:
             self.pending = (_add(self.pending[0], sums[0]), _add(self.pending[1], sums[1]))
+            self.update_index = 0  # a new rollout batch's old-log-prob pass: the next update is its first
             return output
         log_prob_sums, self.pending = self.pending, (None, None)
         update_index = self.update_index

@@ -188,6 +188,15 @@ def test_each_update_index_is_logged_on_its_own_and_the_mean_is_kept(engine_cls,
         by_update = {key for key in metrics if "/by_update/" in key}
         assert len(by_update) == 4 * 5  # no per-layer key per update, no update beyond N − 1
         assert engine._route_drift.update_index == 0
+    # A caller that flags no last mini-batch: the next rollout batch's forward-only pass starts j again.
+    for expected in ("j0", "j1"):
+        metrics = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)["metrics"]
+        assert [key for key in metrics if key.endswith("/flip_frac") and "by_update" in key] == [
+            f"routing/by_update/{expected}/flip_frac"
+        ]
+    engine.forward_backward_batch(_batch(input_ids), None, forward_only=True)
+    metrics = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)["metrics"]
+    assert "routing/by_update/j0/flip_frac" in metrics
 
 
 def test_nothing_installed_when_replay_is_off(engine_cls, input_ids):
