@@ -103,3 +103,6 @@ def test_the_figure_has_one_panel_per_method_and_one_line_per_n(tmp_path):
     assert list(lines["N = 8 (1 seed)"].get_xdata()) == list(range(8))
     assert list(lines["N = 8 (1 seed)"].get_ydata()) == pytest.approx([100 * j / 200 for j in range(8)])
     assert [line.get_label() for line in vespo_ax.get_lines()] == ["N = 8 (1 seed)"]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
