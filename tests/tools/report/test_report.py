@@ -176,6 +176,28 @@ def test_a_run_a_guard_stopped_is_marked_in_the_report(logs_dir):
     assert "m-respo-n8-s1: log: stopped" not in text
 
 
+def test_a_run_a_guard_warned_in_is_marked_in_the_report(logs_dir):
+    """A guard set to warn counts its warnings in the log (respo_verl/guard_warnings/<guard>, and their sum)."""
+    grid(logs_dir, {"respo": [0.6, 0.6], "vespo": [0.5, 0.5]})
+    log = logs_dir / "logs" / "m-respo-n8-s1.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    for record in records:
+        if record["step"] >= 3:
+            warned = {"sampler_agreement": record["step"] - 2, "routing_replay": 1}
+            record["data"] |= {f"respo_verl/guard_warnings/{g}": float(n) for g, n in warned.items()}
+            record["data"]["respo_verl/guard_warnings"] = float(sum(warned.values()))
+    log.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert read_log(log).warnings == {"sampler_agreement": len(records) - 2, "routing_replay": 1}
+    out = logs_dir / "report"
+    assert cli_main(["report", str(logs_dir), "--out", str(out), "--no-plots"]) == 0
+    text = (out / "report.md").read_text()
+    assert (
+        f"m-respo-n8-s1: log: a run guard set to warn warned from step 3 on (routing_replay 1, sampler_agreement "
+        f"{len(records) - 2} warnings)" in text
+    )
+    assert "m-respo-n8-s0: log: a run guard" not in text
+
+
 def _section(text: str, title: str) -> str:
     """The body of the report's section ``## <title>`` ('' when there is none)."""
     head = f"## {title}\n"
