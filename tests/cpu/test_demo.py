@@ -146,7 +146,7 @@ def test_make_demo_shows_starved_positives_weighted_under_respo_and_not_under_ve
     from respo_verl.core.config import ReSPOConfig, VESPOConfig
     from respo_verl.core.kernels import respo_phi, vespo_phi
 
-    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
     env.pop("VERL_FILE_LOGGER_PATH", None)
     env.pop("VERL_FILE_LOGGER_ROOT", None)
     out = tmp_path / "demo"

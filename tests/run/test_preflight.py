@@ -204,7 +204,7 @@ print("@RESULT@" + json.dumps(result))
 def _ray_preflight(reqs, tmp_path: Path, **env_vars: str) -> dict:
     """Runs :data:`RAY_DRIVER` with ``reqs`` in a fresh interpreter whose environment adds ``env_vars``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-    env.update(RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1", TORCH_COMPILE_DISABLE="1", **env_vars)
+    env.update(HF_HUB_OFFLINE="1", TORCH_COMPILE_DISABLE="1", **env_vars)
     temp_dir = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # Ray's socket paths must stay short
     args = [json.dumps([asdict(r) for r in reqs]), temp_dir]
     proc = subprocess.run(

@@ -56,7 +56,7 @@ print("@MARKER@" + json.dumps(result))
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
     env.pop("PYTHONPATH", None)
-    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", TORCH_COMPILE_DISABLE="1", **extra)
+    env.update(HF_HUB_OFFLINE="1", TORCH_COMPILE_DISABLE="1", **extra)
     return env
 
 
