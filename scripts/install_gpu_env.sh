@@ -160,7 +160,11 @@ echo "== respo-verl[${EXTRA}] (verl ${VERL_VERSION}, vLLM ${VLLM_VERSION}$([[ $B
 
 if [[ "$SKIP_FLASH_ATTN" == 0 ]]; then
     echo "== flash-attn ${FLASH_ATTN_VERSION} (from its sdist, against torch ${TORCH_VERSION}; MAX_JOBS=${MAX_JOBS})"
-    "${PIP[@]}" install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
+    # Built here, never fetched: flash-attn's setup.py otherwise downloads a prebuilt wheel from its GitHub releases,
+    # with no checksum, whenever one matches (FLASH_ATTENTION_FORCE_BUILD=TRUE skips that; --no-binary refuses a
+    # wheel from the index).
+    FLASH_ATTENTION_FORCE_BUILD=TRUE "${PIP[@]}" install --no-build-isolation --no-binary flash-attn \
+        "flash-attn==${FLASH_ATTN_VERSION}"
 fi
 
 if [[ "$BACKEND" == megatron ]]; then
