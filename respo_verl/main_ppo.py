@@ -51,45 +51,77 @@ def run(config: DictConfig) -> None:
     launch.train(config, check_loss=require_policy_loss)
 
 
+def _missing_group_option(overrides: list[str]) -> tuple[str, str, list[str]] | None:
+    """The first override that selects an option its config group does not have, as (group, option, the group's
+    options), looked up in the config folders the job is composed from, without composing it; None when there is
+    none, or when Hydra will reject the overrides for another reason (it reports that itself)."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.object_type import ObjectType
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from respo_verl.run.compose import VERL_CONFIG_PACKAGE, package_dir
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return None
+    search_path = create_config_search_path(f"pkg://{CONFIG_PACKAGE}")
+    search_path.append("verl", f"file://{package_dir(VERL_CONFIG_PACKAGE)}")  # respo_trainer.yaml's search path
+    repository = ConfigRepository(search_path)
+    for override in parsed:
+        group, option = override.key_or_group, override.value()
+        if override.is_delete() or not isinstance(option, str) or not repository.group_exists(group):
+            continue
+        if not repository.config_exists(f"{group}/{option}"):
+            return group, option, repository.get_group_options(group, ObjectType.CONFIG)
+    return None
+
+
 def _precheck(argv: list[str]) -> None:
-    """Before Hydra runs: compose the job and :func:`check` it, so that a job that cannot run stops in seconds, before
-    Hydra's own composition imports verl. Exits 2 with one line for an option of a config group that does not exist
-    (``algorithm=respoo``, ``+cluster=...``, ``routing=r4``) or a job :func:`check` refuses. The checks run here
-    only: the job Hydra composes next, from the same files and overrides, is the same job (both compositions are
-    them: tests/run/test_compose.py), and it is what Hydra prints under ``--cfg`` or hands to :func:`_hydra_main`."""
+    """Before Hydra runs: exit 2 with one line for an option of a config group that does not exist
+    (``algorithm=respoo``, ``+cluster=...``, ``routing=r4``; Hydra's own report is 14-19 lines). Under ``--cfg``/``-c``
+    Hydra prints the job without calling the task function, so the job is composed and :func:`check`-ed here; a run
+    is composed once, by Hydra, and checked in :func:`_hydra_main`."""
     from hydra._internal.utils import get_args_parser
 
     try:
         args = get_args_parser().parse_args(argv)
     except SystemExit:
         return  # Hydra reports its own usage errors
-    from hydra.errors import MissingConfigException
-
-    from respo_verl.run.compose import ComposeError, compose_job
-
-    try:
-        config = compose_job(ENTRY, args.overrides)
-    except ComposeError as exc:
-        missing = exc.hydra_error if isinstance(exc.hydra_error, MissingConfigException) else None
-        if missing is None or not getattr(missing, "missing_cfg_file", None):
-            return  # Hydra reports the same composition error itself
-        group, _, option = missing.missing_cfg_file.rpartition("/")
-        options = list(algorithms.NAMES) if group == "algorithm" else list(missing.options or [])
+    missing = _missing_group_option(args.overrides)
+    if missing is not None:
+        group, option, options = missing
+        options = list(algorithms.NAMES) if group == "algorithm" else options
         print(
             f"respo_verl.main_ppo: {group}={option}: no such option of {group} (one of {', '.join(options)})",
             file=sys.stderr,
         )
         sys.exit(EXIT_REFUSED)
+    if not args.cfg:
+        return
+    from respo_verl.run.compose import ComposeError, compose_job
+
+    try:
+        config = compose_job(ENTRY, args.overrides)
+    except ComposeError:
+        return  # Hydra reports the same composition error itself
+    _refuse_unless_checked(config)
+
+
+def _refuse_unless_checked(config: DictConfig) -> None:
     try:
         check(config)
-    except ValueError as exc:
+    except ValueError as exc:  # a job that cannot run: one line, exit 2, before Ray starts
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_PACKAGE}", config_name=PRIMARY_CONFIG, version_base=None)
 def _hydra_main(config: DictConfig) -> None:
-    """Hydra's task: the job :func:`_precheck` checked, as Hydra composed it."""
+    """Hydra's task: :func:`check` the job Hydra composed, once, then :func:`run` it."""
+    _refuse_unless_checked(config)
     try:
         run(config)
     except (DataCheckError, MachineCheckError, ModelCheckError) as exc:  # raised before Ray starts

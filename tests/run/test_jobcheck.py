@@ -284,3 +284,31 @@ def test_the_sweep_refuses_a_broken_layout_before_its_first_run(tmp_path, capsys
         assert err.startswith("respo-verl sweep: run model-respo-n4-s0: ") and "\n" not in err.rstrip("\n"), err
         assert ": layout: 1 rule(s)" in err and "[world-grid] world 16 is not divisible by TP·PP·CP = 3·1·1" in err
         assert not out.exists()  # no manifest, no log: nothing started
+
+
+@pytest.mark.parametrize("cfg", [[], ["--cfg", "job"]], ids=["run", "cfg-job"])
+def test_the_entry_point_checks_a_job_once_and_a_run_is_composed_once(tmp_path, monkeypatch, cfg):
+    """The run itself is replaced by a recorder (the fast tier starts no trainer): what is counted is how often the
+    driver checks the job and composes it outside Hydra before it would start the run."""
+    from respo_verl import main_ppo
+    from respo_verl.run import compose
+
+    calls = {"check": 0, "compose_job": 0, "run": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(main_ppo, "check", counted("check", main_ppo.check))
+    monkeypatch.setattr(compose, "compose_job", counted("compose_job", compose.compose_job))
+    monkeypatch.setattr(main_ppo, "run", counted("run", lambda config: None))
+    proc = run_entry(["algorithm=respo", "+device=cpu", *cfg], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if cfg:  # Hydra prints the job and calls no task: the job is composed and checked before it
+        assert calls == {"check": 1, "compose_job": 1, "run": 0}
+        assert "actor_rollout_ref:" in proc.stdout
+    else:  # Hydra composes the job, the task checks it once and runs it
+        assert calls == {"check": 1, "compose_job": 0, "run": 1}
