@@ -1,29 +1,26 @@
 """verl's Megatron engine on CPU (``+device=cpu_megatron model_engine=megatron``): preset, patches, end-to-end runs.
 
-The end-to-end runs are real ``python -m respo_verl.main_ppo`` subprocesses (Ray, TransferQueue, the agent loop,
-the hf_cpu rollout, verl's ``MegatronEngineWithLMHead`` with megatron-core on gloo, mbridge's weight loading and
-export, verl's naive weight sync, verl's router replay and file logger) on the tiny Qwen3-MoE of the kit.
+The end-to-end runs (two: R2 with expert parallel 2 ending in the run guard's stop, and R3 ending in the non-finite
+stop) are real ``python -m respo_verl.main_ppo`` subprocesses started by tests/support/cpu_runs.py (Ray, TransferQueue,
+the agent loop, the hf_cpu rollout, verl's ``MegatronEngineWithLMHead`` with megatron-core on gloo, mbridge's weight
+loading and export, verl's naive weight sync, verl's router replay and file logger) on the tiny Qwen3-MoE of the kit.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
 from conftest import compose
+from support import cpu_runs
 
-from respo_verl.cpu.kit.build import kit_root
 from respo_verl.cpu.preset import MEGATRON_CPU_SETTINGS, CPUJobError, check_cpu_job, is_cpu_job
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
 from respo_verl.main_ppo import check
 from respo_verl.patches import mbridge_0_15_1, verl_0_9_1
+from respo_verl.run.stops import EXIT_GUARD
+from respo_verl.tools.runs.logs import STOPPED_KEY, read_log
 
 MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
 
@@ -245,7 +242,9 @@ def moe_kit():
     return build_kit(KitSpec(moe=True), progress=False)
 
 
-def _megatron_run(tmp_path, reuse: int, steps: int, job: list[str] = MEGATRON_JOB):
+def _megatron_run(tmp_path, reuse: int, steps: int, job: list[str], status: int = 0, logged: int | None = None):
+    """Run ``job`` for ``steps`` steps; it must end with exit ``status`` having logged steps 1..``logged`` (all of
+    them by default). Returns (output, each logged step's metrics)."""
     overrides = [
         *job,
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
@@ -253,18 +252,10 @@ def _megatron_run(tmp_path, reuse: int, steps: int, job: list[str] = MEGATRON_JO
         f"trainer.total_training_steps={steps}",
         "trainer.experiment_name=test",
     ]
-    log = tmp_path / "log.jsonl"
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "RESPO_VERL_CPU_KIT": str(kit_root())}
-    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", TORCH_COMPILE_DISABLE="1")
-    ray_tmp = tempfile.mkdtemp(prefix="rv-ray-", dir="/tmp")  # Ray's socket paths must stay short
-    cmd = [sys.executable, "-m", "respo_verl.main_ppo", *overrides, f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"]
-    try:
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    rc, out = cpu_runs.launch(tmp_path, cpu_runs.main_ppo(*overrides), timeout=1200)
+    assert rc == status, out[-5000:]
+    lines = cpu_runs.log_lines(tmp_path)
+    assert [line["step"] for line in lines] == list(range(1, (steps if logged is None else logged) + 1)), out[-3000:]
     data = [line["data"] for line in lines]
     for step in data:
         missing = [k for k in (*RESPO_KEYS, *ROUTING_KEYS) if k not in step]
@@ -272,7 +263,7 @@ def _megatron_run(tmp_path, reuse: int, steps: int, job: list[str] = MEGATRON_JO
         assert step["actor/routing/replayed_tokens"] > 0
     gaps = [step["training/rollout_probs_diff_max"] for step in data]
     assert max(gaps) < SYNCED_LOG_PROB_GAP, gaps
-    return data
+    return out, data
 
 
 # Two worker processes with expert parallel 2 on gloo: each holds 2 of the 4 experts, tokens travel between them by
@@ -290,21 +281,45 @@ EXPERT_PARALLEL_2 = [
 def test_megatron_engine_trains_respo_with_r2_replay_and_reports_route_drift(tmp_path, moe_kit):
     """N = 4, two processes with expert parallel 2: updates 2..4 of a rollout batch replay π_old's routes while
     π_θ's router has moved; the rollout/actor log-prob gap shows the experts gathered back for the rollout are right.
+
+    The first update of every rollout batch (j = 0, ``actor/routing/by_update/j0/...``) is the N = 1 case: π_θ's
+    router is π_old's, so R2 replays the live routes exactly and nothing flips (the same exact replay is checked on a
+    gloo world in tests/routing/test_megatron_routing.py, and at N = 2 on the Megatron resume test's reference run).
+
+    The run then meets a reward function that raises in step 3 (tests/support/cpu_modules/raising_reward.py): verl
+    evicts that prompt group and generates it again (training/rollout_failure/evicted_samples), the step's batch is
+    full, and only verl's count says that a reward failed. The preset's run guard (max_failed_share 0) stops the run
+    in step 3 with one line and exit 3, and the step's line, with the failure counted, is in the file log, marked as
+    the stop (the run guard's one end-to-end run: a collapsed policy takes the same path from a step's metrics,
+    ``StepGuards``, unit-tested with the clamp metric in tests/run/test_checkpoint.py).
     """
-    data = _megatron_run(tmp_path, reuse=4, steps=2, job=[*MEGATRON_JOB, *EXPERT_PARALLEL_2])
+    fault = [
+        f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'raising_reward.py'}",
+        cpu_runs.after_steps("RAISING_REWARD_AFTER", tmp_path, 2),
+    ]
+    out, data = _megatron_run(
+        tmp_path, reuse=4, steps=4, job=[*MEGATRON_JOB, *EXPERT_PARALLEL_2, *fault], status=EXIT_GUARD, logged=3
+    )
     flips = [step["actor/routing/flip_frac"] for step in data]  # per step: the mean over its 4 mini-batches
     assert all(0.0 <= f <= 1.0 for f in flips) and sum(flips) > 0, flips
     assert all(step["actor/routing/prob_mass_delta"] <= 0.0 for step in data)  # native top-k holds the most mass
     assert any(abs(step["actor/respo/pos/log_w_mean"]) > 1e-3 for step in data)  # stale mini-batches: log W != 0
+    first = "actor/routing/by_update/j0/"
+    for step in data:
+        assert step[first + "flip_frac"] == 0.0, step
+        assert step[first + "any_layer_flip_frac"] == 0.0, step
+        assert step[first + "overlap"] == 1.0, step
 
-
-@pytest.mark.slow
-def test_r2_replays_the_live_routes_exactly_on_the_first_mini_batch_of_a_rollout_batch(tmp_path, moe_kit):
-    """N = 1: every update is the first of its rollout batch, so π_θ's router is π_old's and nothing flips."""
-    for step in _megatron_run(tmp_path, reuse=1, steps=2):
-        assert step["actor/routing/flip_frac"] == 0.0
-        assert step["actor/routing/any_layer_flip_frac"] == 0.0
-        assert step["actor/routing/overlap"] == 1.0
+    assert "raising_reward: the test's reward function fails for this response" in out, out[-4000:]
+    cpu_runs.stop_line(
+        out, rf"\(run guard, exit {EXIT_GUARD}\): step 3: respo_verl/failed_share=.* > run_guard.max_failed_share=0.0"
+    )
+    # One group evicted: its n = 4 samples (the preset's n), of the 8 × 4 + 4 the step generated.
+    assert [STOPPED_KEY in step for step in data] == [False, False, True], data[-1]
+    last = data[-1]
+    assert last["training/rollout_failure/evicted_samples"] == 1.0, last
+    assert last["respo_verl/failed_samples"] == 4.0 and last["respo_verl/failed_share"] == pytest.approx(4 / 36), last
+    assert last[STOPPED_KEY] == 1.0 and read_log(tmp_path / "log.jsonl").stopped_at == 3
 
 
 @pytest.mark.slow
@@ -312,13 +327,26 @@ def test_r3_replays_the_rollouts_routes_in_the_old_log_prob_pass_and_every_updat
     """N = 4: the hf_cpu server records its routes, verl aligns them and every Megatron forward replays them.
 
     32 answers per rollout batch make 4 micro-batches of 8 in the old-log-prob pass, padded to different lengths.
+
+    In step 3 the registered loss then receives NaN log-probabilities (tests/support/cpu_modules/inject_nonfinite.py):
+    the loss refuses them, and the run stops with one line naming the step and the loss's error, exit 3, no traceback
+    after it, and no line of step 3 in the log (the run did not train on).
     """
-    data = _megatron_run(tmp_path, reuse=4, steps=2, job=R3_JOB)
+    fault = [
+        *cpu_runs.extra_modules("inject_nonfinite", preset=(CPU_MODULE, PLUGIN_MODULE)),
+        cpu_runs.after_steps("INJECT_NONFINITE_AFTER", tmp_path, 2),
+    ]
+    out, data = _megatron_run(tmp_path, reuse=4, steps=4, job=[*R3_JOB, *fault], status=EXIT_GUARD, logged=2)
     for step in data:
         # π_old's Megatron router, fed the rollout's weights, chooses what the rollout's HF router chose: recording,
         # alignment and the padded layout are right (a shifted or misplaced route would flip most tokens).
         assert step["actor/routing/compute_log_prob/replayed_tokens"] > 0
         assert step["actor/routing/compute_log_prob/flip_frac"] < 0.01, step
+    cpu_runs.stop_line(
+        out,
+        r"\(non-finite data, exit 3\): step 3: FloatingPointError: respo loss received non-finite values on valid "
+        r"response tokens.*",
+    )
 
 
 def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit):

@@ -1,16 +1,15 @@
-"""Runs that cannot go on stop, end to end on CPU: ``python -m respo_verl.main_ppo algorithm=respo +device=cpu``.
+"""A run that cannot go on stops, end to end on CPU: ``python -m respo_verl.main_ppo algorithm=respo +device=cpu``.
 
-Real subprocesses of our entry point (verl's V1 trainer with the respo-verl trainer, Ray, FSDP2 on gloo, the hf_cpu
-rollout server), started by tests/support/cpu_runs.py, each stopped by one fault: a reward function that raises (the
-run guard on a step's metrics), an agent-loop worker that dies (the liveness watch). Each stop is one line on the
-driver's stderr with no traceback after it, and an exit status of docs/cluster.md's table.
+A real subprocess of our entry point (verl's V1 trainer with the respo-verl trainer, Ray, FSDP2 on gloo, the hf_cpu
+rollout server), started by tests/support/cpu_runs.py, whose agent-loop worker dies (the liveness watch). The stop is
+one line on the driver's stderr with no traceback after it, and an exit status of docs/cluster.md's table.
 
-The run guard is started once: a collapsed policy (lr 1.0, log W at its clamp) takes the same path from a step's
-metrics to the stop line and the marked log line (``StepGuards``, tested with the clamp metric in
-tests/run/test_checkpoint.py). The agent loop dies in step 4 of a run whose rollout server never receives the
-trainer's weights, at N = 1: its first three steps are the negative controls of the weight-sync and log W checks
-that every other run passes (tests/support/trainer_checks.py). Apart from test_cpu_resume.py and test_cpu_hangs.py
-so that the files run side by side on two test workers.
+The agent loop dies in step 4 of a run whose rollout server never receives the trainer's weights, at N = 1: its
+first three steps are the negative controls of the weight-sync and log W checks that every other run passes
+(tests/support/trainer_checks.py). The run guard's stop (a reward function that raises) ends the R2 run of
+test_cpu_megatron.py, the stop on non-finite log-probabilities its R3 run, and the stops of runs that would hang are
+in test_cpu_hangs.py. Apart from test_cpu_resume.py and test_cpu_hangs.py so that the files run side by side on two
+test workers.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from support import cpu_runs
 from support.trainer_checks import ON_POLICY_LOG_W, assert_weights_synced, log_w
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit
-from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_GUARD
-from respo_verl.tools.runs.logs import STOPPED_KEY, read_log
+from respo_verl.run.stops import EXIT_ACTOR_DIED
 
 pytestmark = pytest.mark.slow
 
@@ -29,34 +27,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def kit():
     return build_kit(KitSpec(), progress=False)
-
-
-def test_a_reward_function_that_raises_stops_a_cpu_run_at_the_first_failure(kit, tmp_path):
-    """The reward function raises for one response of step 1 (tests/support/cpu_modules/raising_reward.py): verl
-    evicts that prompt group and generates it again (training/rollout_failure/evicted_samples), the step's batch is
-    full, and only verl's count says that a reward failed. The CPU preset's guard (max_failed_share 0) stops the run
-    in step 1, and the step's line, with the failure counted, is in the file log, marked as the stop."""
-    command = cpu_runs.command(
-        tmp_path / "ckpt",
-        2,
-        2,
-        "trainer.save_freq=-1",
-        f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'raising_reward.py'}",
-    )
-    rc, out = cpu_runs.launch(tmp_path, command)
-    assert rc == EXIT_GUARD, out[-4000:]
-    assert "raising_reward: the test's reward function fails for this response" in out, out[-4000:]
-    cpu_runs.stop_line(
-        out, rf"\(run guard, exit {EXIT_GUARD}\): step 1: respo_verl/failed_share=.* > run_guard.max_failed_share=0.0"
-    )
-    lines = cpu_runs.log_lines(tmp_path)
-    assert [line["step"] for line in lines] == [1], lines
-    data = lines[0]["data"]
-    # One group evicted: its n = 4 samples (the CPU preset's n), of the 4 × 4 + 4 the step generated.
-    assert data["training/rollout_failure/evicted_samples"] == 1.0, data
-    assert data["respo_verl/failed_samples"] == 4.0 and data["respo_verl/failed_share"] == 0.2, data
-    assert data[STOPPED_KEY] == 1.0, data
-    assert read_log(tmp_path / "log.jsonl").stopped_at == 1
 
 
 # The stale-server run: N = 1 (one prompt pair per step), lr 1e-2 so that one update moves the actor's log-probs by

@@ -75,13 +75,20 @@ def command(folder: Path, reuse: int, steps: int, *extra: str) -> list[str]:
     )
 
 
-def extra_modules(*modules: str) -> list[str]:
-    """Overrides that make every Ray process of the run import the test-only ``modules`` of :data:`FAULTS` too."""
-    loaded = ",".join((PLUGIN_MODULE, CPU_MODULE, *modules))
+def extra_modules(*modules: str, preset: tuple[str, ...] = (PLUGIN_MODULE, CPU_MODULE)) -> list[str]:
+    """Overrides that make every Ray process of the run import the test-only ``modules`` of :data:`FAULTS` too, after
+    the ``preset``'s own (``+device=cpu``'s by default; ``+device=cpu_megatron`` names the CPU module first)."""
+    loaded = ",".join((*preset, *modules))
     return [
         f"ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='{loaded}'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH={FAULTS}",
     ]
+
+
+def after_steps(variable: str, folder: Path, steps: int) -> str:
+    """The override that arms a fault module's ``variable`` (e.g. ``RAISING_REWARD_AFTER``) once the log of a run
+    launched in ``folder`` holds ``steps`` steps: the fault then strikes in step ``steps + 1``."""
+    return f"+ray_kwargs.ray_init.runtime_env.env_vars.{variable}='{folder / 'log.jsonl'}@{steps}'"
 
 
 def record_drivers(count: int, what: str) -> None:

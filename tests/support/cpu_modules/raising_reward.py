@@ -2,17 +2,32 @@
 
 Selected by file path as ``reward.custom_reward_function.path`` (name ``compute_score``). Each process raises once,
 for its first non-empty response (the check before Ray scores an empty one); every other call is the kit's reward.
+With ``RAISING_REWARD_AFTER=<log>@<k>`` in the run's Ray environment it raises only once verl's file log ``<log>``
+holds k steps, i.e. in step k + 1 (tests/support/cpu_runs.py, ``after_steps``).
 """
+
+import os
+from pathlib import Path
 
 from respo_verl.cpu.kit.reward import compute_score as _kit_score
 
 RAISED = "raising_reward: the test's reward function fails for this response"
+AFTER_ENV = "RAISING_REWARD_AFTER"
 _raised = False
+
+
+def _armed() -> bool:
+    log, _, steps = os.environ.get(AFTER_ENV, "").rpartition("@")
+    if not log:
+        return True
+    path = Path(log)
+    logged = path.read_text().count('"step"') if path.is_file() else 0
+    return logged >= int(steps)
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     global _raised
-    if solution_str and not _raised:
+    if solution_str and not _raised and _armed():
         _raised = True
         raise RuntimeError(RAISED)
     return _kit_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
