@@ -86,6 +86,48 @@ def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: s
                 f"step {step}: {kind} {index} of {count} ({who}) has died while the step waited for {waiting_for}: "
                 f"{reason}"
             ) from None
+    check_engines_alive(dict(actors).get("rollout server", []), step, waiting_for)
+
+
+def engine_dead(server: Any) -> str | None:
+    """Run in a rollout server's actor (Ray's ``__ray_call__``): why its inference engine is dead, or None.
+
+    verl's vLLM server keeps vLLM's ``AsyncLLM`` as ``engine``; when vLLM's engine core process dies, the server's
+    actor lives on (Ray sees nothing), ``engine.errored`` turns true, and every request fails or waits. A server
+    without such an engine (the ``hf_cpu`` server samples in its own process) is never dead this way."""
+    engine = getattr(server, "engine", None)
+    if engine is None or not getattr(engine, "errored", False):
+        return None
+    error = getattr(engine, "dead_error", None)
+    reason = f"{type(error).__name__}: {error}" if error is not None else "its engine reports an error"
+    return f"{type(server).__name__}, {reason}"
+
+
+def check_engines_alive(servers: list, step: int, waiting_for: str) -> None:
+    """Raise :class:`ActorDied` when a rollout server's inference engine has died inside its living actor
+    (:func:`engine_dead`). A server busy past :data:`WORKER_READY_TIMEOUT_S` counts as alive: the next check asks
+    again."""
+    import ray
+    from ray.exceptions import RayError
+
+    calls = [(index, h.__ray_call__.remote(engine_dead)) for index, h in enumerate(servers)]
+    if not calls:
+        return
+    ready, _ = ray.wait([ref for _, ref in calls], num_returns=len(calls), timeout=WORKER_READY_TIMEOUT_S)
+    for index, ref in calls:
+        if ref not in ready:
+            continue
+        try:
+            reason = ray.get(ref)
+        except RayError:  # the actor itself died or is unreachable: check_actors_alive names it
+            continue
+        if reason is not None:
+            server, _, error = reason.partition(", ")
+            raise ActorDied(
+                f"step {step}: rollout server {index} of {len(servers)} ({server}): its inference engine died while "
+                f"the step waited for {waiting_for} (the server's actor lives on; a vLLM server's engine core process "
+                f"ended): {error}"
+            )
 
 
 class SampleWaitWatch:
