@@ -131,22 +131,22 @@ def standin(tmp_path_factory):
         sweep = subprocess.Popen(
             argv,
             cwd=root,
-            env=_env(STANDIN_FAIL=f"{GRPO}@2", STANDIN_SLOW=f"{RESPO}@4/{VESPO}@60"),
+            env=_env(STANDIN_FAIL=f"{GRPO}@2", STANDIN_SLOW=f"{RESPO}@10/{VESPO}@60"),
             stdout=fh,
             stderr=subprocess.STDOUT,
         )
         _wait(lambda: _child(sweep, RESPO), "ReSPO's run, again", sweep, second)
         result["orphan_output"] = (out / "logs" / f"{RESPO}.out").read_text()
         result["killed_at_steps"] = read_log(out / "logs" / f"{RESPO}.jsonl").steps
-        # a second sweep in the folder while this one runs
-        busy = subprocess.run(argv, cwd=root, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-        result["busy"] = (busy.returncode, busy.stdout, busy.stderr, sweep.pid)
         # the report over the folder while ReSPO is partial and the others have not started
         report = subprocess.run(
             [sys.executable, "-m", "respo_verl.cli", "report", str(out), "--out", str(root / "report1"), "--no-plots"],
             capture_output=True, text=True, env=_env(), timeout=TIMEOUT_S,
         )  # fmt: skip
         result["partial_report"] = (report.returncode, report.stderr, root / "report1" / "report.md")
+        # a second sweep in the folder while this one runs
+        busy = subprocess.run(argv, cwd=root, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        result["busy"] = (busy.returncode, busy.stdout, busy.stderr, sweep.pid)
         victim = _wait(lambda: _child(sweep, VESPO), "VESPO's run", sweep, second)
         victim.kill()
         result["second_status"] = sweep.wait(timeout=TIMEOUT_S)
