@@ -14,6 +14,8 @@ test workers.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from support import cpu_runs
 from support.trainer_checks import ON_POLICY_LOG_W, assert_weights_synced, log_w
@@ -47,7 +49,8 @@ def stale_server_run(kit, tmp_path_factory) -> dict:
         DIES_IN + 1,
         "trainer.save_freq=-1",
         "actor_rollout_ref.actor.optim.lr=1e-2",
-        "run_guard.sampler_agreement=off",  # the stale server is this run's purpose: its guard would stop it in step 2
+        # the stale server is this run's purpose: its agreement guard would stop it in step 2, so it warns
+        "run_guard.sampler_agreement=warn",
         *cpu_runs.extra_modules("frozen_rollout", "dying_agent_loop"),
         after,
     )
@@ -62,6 +65,23 @@ def test_negative_controls_stale_server_weights_and_on_policy_log_w(stale_server
     assert max(log_w(lines)) < ON_POLICY_LOG_W, log_w(lines)
     with pytest.raises(AssertionError, match="rollout/actor log-prob gap"):
         assert_weights_synced(lines)
+
+
+def test_the_agreement_guard_set_to_warn_warns_once_per_stale_step_and_counts(stale_server_run):
+    """hf_cpu's stale server, the sampler-agreement guard set to warn: step 1 samples with the weights both sides
+    start from; from step 2 the server misses every update, and each such step prints one warning line (with the
+    metric, its value and the bound) and counts it in the log."""
+    warned = re.findall(
+        r"respo-verl: WARNING: run_guard\.sampler_agreement=warn: step (\d+): training/rollout_probs_diff_max=\S+ > "
+        r"run_guard\.max_probs_diff_max=0\.0001: the sampler's token probabilities disagree",
+        stale_server_run["out"],
+    )
+    assert [int(step) for step in warned] == list(range(2, DIES_IN)), stale_server_run["out"][-4000:]
+    counts = {
+        line["step"]: line["data"].get("respo_verl/guard_warnings/sampler_agreement")
+        for line in stale_server_run["lines"]
+    }
+    assert counts == {1: None, **{step: float(step - 1) for step in range(2, DIES_IN)}}, counts
 
 
 def test_an_agent_loop_worker_that_dies_mid_step_stops_the_run(stale_server_run):
