@@ -186,7 +186,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from pathlib import Path
 
     lines = [line.split("\t") for line in Path(path).read_text().splitlines() if line.strip()]
-    Path(path).unlink(missing_ok=True)
     by_file = Counter(test for test, *_ in lines)
     detail = ", ".join(f"{test} {count}" for test, count in sorted(by_file.items()))
     terminalreporter.write_line(f"verl drivers started: {len(lines)}" + (f" ({detail})" if detail else ""))
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_respo_verl_drivers", None)
+    if path is not None and os.path.exists(path):
+        os.unlink(path)
