@@ -186,11 +186,16 @@ class StepGuards:
         if mode == "off" or self.routing_replay is None:
             return
         passes = {"R3": (LOG_PROB_PASS, "update"), "R2": ("update",)}.get(self.routing_replay, ())
+        # The route-drift engine logs a pass's keys only when it counted a replayed token there: with the engine's
+        # keys of another pass in the step, a pass without keys replayed none.
+        engine_ran = any(key.startswith(f"{ROUTING_PREFIX}/") for key in metrics)
         for name in passes:
             key = (
                 f"{ROUTING_PREFIX}/replayed_tokens" if name == "update" else f"{ROUTING_PREFIX}/{name}/replayed_tokens"
             )
             value = metrics.get(key)
+            if value is None and engine_ran:
+                value = 0.0
             if value is None:
                 self._trip(
                     "routing_replay",

@@ -63,6 +63,22 @@ def test_zero_routes_stop_with_the_routing_guard_before_the_agreement_guard():
     )
 
 
+def test_a_pass_the_engine_logged_nothing_for_replayed_no_route():
+    """vLLM's all-zero routes as the route-drift engine logs them (measured): the update pass counts 0 replayed tokens,
+    and compute_log_prob, which replayed none, has no key at all."""
+    metrics = healthy_r3(
+        **{
+            "actor/routing/compute_log_prob/replayed_tokens": None,
+            "actor/routing/compute_log_prob/flip_frac/layer_0": None,
+            "actor/routing/compute_log_prob/flip_frac/layer_1": None,
+            "actor/routing/replayed_tokens": 0.0,
+            "training/rollout_probs_diff_max": 0.89,
+        }
+    )
+    with pytest.raises(RunStopped, match=r"^step 1: actor/routing/compute_log_prob/replayed_tokens=0 with router_"):
+        guards().check(metrics, 1)
+
+
 def test_missing_expert_weights_stop_with_the_agreement_guard_before_the_rejected_share():
     """Expert weights that never reached vLLM (step 2 measured: max 0.29, 2.5 % of routes rejected)."""
     metrics = healthy_r3(
@@ -104,7 +120,7 @@ def test_without_replay_the_routing_guard_reads_nothing():
 
 
 def test_missing_route_metrics_under_replay_are_named():
-    metrics = healthy_r3(**{"actor/routing/compute_log_prob/replayed_tokens": None})
+    metrics = {"training/rollout_probs_diff_max": 1e-6}  # no key of the route-drift engine at all
     with pytest.raises(RunStopped, match="replayed_tokens is missing: the route-drift engine did not run"):
         guards().check(metrics, 1)
 
