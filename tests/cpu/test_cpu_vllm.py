@@ -6,8 +6,10 @@ tests/support/cpu_runs.py, each a module-scoped fixture read by the tests below:
 - FSDP (``+device=cpu``) at N = 4: three steps in which sampler and trainer agree to 1e-4 (fp32), with updates;
   then vLLM's engine core process is killed, and the run stops within the bounds, its line naming the vLLM rollout
   server (a dead engine core leaves the server's actor alive, and hangs a weight sync rather than raising).
-- Megatron with R3 (``+device=cpu_megatron routing=r3``, the tiny Qwen3-MoE), 4 steps at N = 4: the same, and every
-  step replays vLLM's routes in both passes, each of them the trainer's router's own top-k at ``compute_log_prob``.
+- Megatron with R3 (``+device=cpu_megatron routing=r3``, the tiny Qwen3-MoE) at N = 4: three steps with the same
+  agreement, in which every step replays vLLM's routes in both passes, each of them the trainer's router's own top-k
+  at ``compute_log_prob``; in step 4 the loss receives NaN log-probabilities and the run stops with the loss's error
+  (the non-finite stop on the Megatron engine).
 - The Megatron R3 run with two faults, one run each (tests/support/cpu_modules/): the trainer sends the experts in
   transformers' fused layout, which vLLM's loader skips without a word (the weight check fails on its log, and the
   sampler-agreement guard stops it in step 2); vLLM's routes come back all zero (the routing-replay guard stops it
@@ -28,6 +30,7 @@ import pytest
 from support import cpu_runs
 from support.trainer_checks import RESPO_KEYS, SYNCED_LOG_PROB_GAP, assert_trains, assert_weights_synced
 
+from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
 from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_GUARD, EXIT_PHASE_STALLED, PhaseStalled
 
 pytestmark = pytest.mark.slow
@@ -88,12 +91,6 @@ class EngineCoreKiller:
                 self.killed_at = time.monotonic()
 
 
-def _ok(run: dict) -> list[dict]:
-    if run["rc"] != 0:
-        pytest.fail(f"the run exited {run['rc']}:\n{run['out'][-4000:]}", pytrace=False)
-    return run["lines"]
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-fsdp")
@@ -103,21 +100,37 @@ def fsdp_run(tmp_path_factory):
     return run
 
 
+# +device=cpu_megatron names the CPU module before the plugin in Ray's runtime env; fault modules come after both.
+MEGATRON_MODULES = (CPU_MODULE, PLUGIN_MODULE)
+
+
 @pytest.fixture(scope="module")
 def r3_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("vllm-r3"), *MEGATRON_R3, MEGATRON_LR)
+    folder = tmp_path_factory.mktemp("vllm-r3")
+    nonfinite = (
+        *cpu_runs.extra_modules("inject_nonfinite", preset=MEGATRON_MODULES),
+        cpu_runs.after_steps("INJECT_NONFINITE_AFTER", folder, HEALTHY_STEPS),
+    )
+    return _run(folder, *MEGATRON_R3, MEGATRON_LR, *nonfinite)
 
 
 @pytest.fixture(scope="module")
 def fused_experts_run(tmp_path_factory):
     return _run(
-        tmp_path_factory.mktemp("vllm-fused"), *MEGATRON_R3, MEGATRON_LR, *cpu_runs.extra_modules("fused_expert_export")
+        tmp_path_factory.mktemp("vllm-fused"),
+        *MEGATRON_R3,
+        MEGATRON_LR,
+        *cpu_runs.extra_modules("fused_expert_export", preset=MEGATRON_MODULES),
     )
 
 
 @pytest.fixture(scope="module")
 def zeroed_routes_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("vllm-zero"), *MEGATRON_R3, *cpu_runs.extra_modules("zeroed_vllm_routes"))
+    return _run(
+        tmp_path_factory.mktemp("vllm-zero"),
+        *MEGATRON_R3,
+        *cpu_runs.extra_modules("zeroed_vllm_routes", preset=MEGATRON_MODULES),
+    )
 
 
 def _updated_before(lines: list[dict]) -> list[int]:
@@ -130,12 +143,8 @@ def _updated_before(lines: list[dict]) -> list[int]:
 def test_vllm_samples_with_the_trainers_weights_after_every_update(engine, request):
     """fp32 sampler and trainer agree to 1e-4 at every step of a run that updates (the FSDP run's steps before its
     engine core is killed)."""
-    if engine == "fsdp":
-        lines = request.getfixturevalue("fsdp_run")["lines"]
-        assert [line["step"] for line in lines] == list(range(1, HEALTHY_STEPS + 1)), lines
-    else:
-        lines = _ok(request.getfixturevalue("r3_run"))
-        assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    lines = request.getfixturevalue({"fsdp": "fsdp_run", "megatron_r3": "r3_run"}[engine])["lines"]
+    assert [line["step"] for line in lines] == list(range(1, HEALTHY_STEPS + 1)), lines
     assert_trains(lines)
     assert _updated_before(lines), "no step followed an update: the weight sync was never put to the test"
     assert_weights_synced(lines)
@@ -146,7 +155,7 @@ def test_vllm_samples_with_the_trainers_weights_after_every_update(engine, reque
 def test_vllms_routes_are_replayed_in_both_passes_and_are_the_trainers_own(r3_run):
     """Item 5: every step replays vLLM's routes at compute_log_prob and in the update, and at compute_log_prob (the
     weights vLLM sampled with) the trainer's router chooses every replayed route itself."""
-    for line in _ok(r3_run):
+    for line in r3_run["lines"]:
         data = line["data"]
         missing = [key for key in (*RESPO_KEYS, *ROUTE_DRIFT_KEYS) if key not in data]
         assert not missing, (line["step"], missing)
@@ -162,6 +171,19 @@ def test_the_healthy_runs_pass_the_guards(fsdp_run, r3_run):
         assert "run_guard.max_probs" not in run["out"] and "run_guard.routing" not in run["out"], run["out"][-3000:]
         assert all("respo_verl/guard_warnings" not in line["data"] for line in run["lines"])
         assert all("respo_verl/stopped" not in line["data"] for line in run["lines"])
+
+
+def test_nan_log_probs_stop_the_megatron_run_with_the_losss_error(r3_run):
+    """Step 4 of the R3 run: the registered loss receives NaN log-probabilities (tests/support/cpu_modules/
+    inject_nonfinite.py), refuses them, and the run stops with one line naming the step and the loss's error, exit 3,
+    no traceback after it, and no line of step 4 in the log (the run did not train on)."""
+    assert r3_run["rc"] == EXIT_GUARD, r3_run["out"][-4000:]
+    cpu_runs.stop_line(
+        r3_run["out"],
+        rf"\(non-finite data, exit 3\): step {HEALTHY_STEPS + 1}: FloatingPointError: respo loss received non-finite "
+        r"values on valid response tokens.*",
+    )
+    assert [line["step"] for line in r3_run["lines"]] == list(range(1, HEALTHY_STEPS + 1))
 
 
 def test_a_dead_vllm_engine_core_stops_the_run_naming_the_vllm_server(fsdp_run):
