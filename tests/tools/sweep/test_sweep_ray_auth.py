@@ -3,6 +3,7 @@ auth that answers the sweep's client with the token and refuses it without (slow
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -58,17 +59,30 @@ def test_a_head_with_token_auth_answers_the_sweeps_client_only_with_the_token(tm
         address = f"http://127.0.0.1:{dashboard}"
         monkeypatch.setenv("RAY_AUTH_TOKEN", ray_auth.env()["RAY_AUTH_TOKEN"])
         assert connect(address).list_jobs() == []
-        monkeypatch.delenv("RAY_AUTH_TOKEN")
-        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-        monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token either
-        with pytest.raises(ClusterError) as refused:
-            connect(address)
-        assert str(refused.value).startswith(
+        # A client without the token, then with a wrong one, each in a process of its own: Ray caches the token it
+        # loaded once per process (its token loader), so this process would go on sending the session's.
+        bare = {
+            k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
+        }
+        bare["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
+        assert _connect_elsewhere(address, bare).startswith(
             f"cannot reach the Ray cluster at {address}: the cluster wants a token and no token was found here"
         )
-        monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)
-        with pytest.raises(ClusterError, match="its token was refused"):
-            connect(address)
+        assert "its token was refused" in _connect_elsewhere(address, {**bare, "RAY_AUTH_TOKEN": "0" * 64})
     finally:
         reap({}, temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _connect_elsewhere(address: str, env: dict[str, str]) -> str:
+    """The ClusterError line of ``respo_verl.tools.sweep.runner.connect(address)`` in a fresh process with ``env``."""
+    program = (
+        "import sys\n"
+        "from respo_verl.tools.sweep.runner import ClusterError, connect\n"
+        "try:\n    connect(sys.argv[1])\nexcept ClusterError as exc:\n    print(exc)\nelse:\n    print('connected')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, address], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
