@@ -5,9 +5,10 @@ gloo and the hf_cpu rollout server; nothing is mocked. Against one uninterrupted
 module, and itself the check that ReSPO trains with rollout reuse through our entry point), one run of the same
 command taken through both pre-emptions a cluster deals out, shared by the two tests that read it: a pre-emption
 notice (SIGTERM to the driver), then a relaunch whose driver is killed with SIGKILL after the periodic checkpoint of
-step 3 (its Ray processes must be gone within the reaper's bound), then the relaunch that ends the run; and a
-relaunch of another configuration into the same folder, refused. The runs that a fault stops are in
-test_cpu_stops.py.
+step 3 (its Ray processes must be gone within the reaper's bound); then its newest checkpoint is damaged (its
+largest file cut to half), a relaunch is refused before Ray naming the file and an override, and the relaunch with
+that override ends the run; and a relaunch of another configuration into the same folder, refused. The runs that a
+fault stops are in test_cpu_stops.py.
 
 The runs use verl's ``rollout.full_determinism``: the CPU rollout server then samples each request from (seed, step,
 request id), the trainer orders each step's samples by the data loader, and two fresh runs log the same metrics: the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -207,7 +209,10 @@ def preempted(uninterrupted, tmp_path_factory) -> dict:
     1. SIGTERM to the driver once step 1 is logged: the trainer saves at the end of its step and ends (exit 0);
     2. the relaunch resumes from that checkpoint, and its driver is killed with SIGKILL as soon as the periodic
        checkpoint of step 3 is complete;
-    3. the relaunch resumes from the newest complete checkpoint and ends the run.
+    3. the largest file of the newest complete checkpoint is cut to half (a copy or a disk that failed): a relaunch
+       is refused before Ray (in this process: no driver of its own), naming the checkpoint, the file and the
+       override that resumes from the newest intact checkpoint before it;
+    4. the relaunch with that override resumes from there and ends the run.
 
     Each attempt's outcome is kept for the tests below; an attempt that fails fails them all with its own output."""
     run = tmp_path_factory.mktemp("preempted")
@@ -230,10 +235,24 @@ def preempted(uninterrupted, tmp_path_factory) -> dict:
         pytest.fail(f"attempt 2 (relaunch, SIGKILL after step 3's checkpoint):\n{killed['out'][-4000:]}", pytrace=False)
     result["sigkill"] = killed
     result["before_last"] = cpu_runs.logged_steps(run / "log.jsonl")
-    result["resumed_from"] = max(int(p.parent.name.split("_")[-1]) for p in folder.glob(f"global_step_*/{MARKER}"))
-    rc, out = cpu_runs.launch(run, command)
+    newest = max(int(p.parent.name.split("_")[-1]) for p in folder.glob(f"global_step_*/{MARKER}"))
+    result["newest"] = newest
+    files = [p for p in (folder / f"global_step_{newest}").rglob("*") if p.is_file()]
+    largest = max(files, key=lambda p: p.stat().st_size)
+    size = largest.stat().st_size
+    with largest.open("r+b") as fh:
+        fh.truncate(size // 2)
+    refused = _refused_in_process(run, command)
+    said = refused.stdout + refused.stderr
+    result["damaged"] = {"file": largest, "size": size, "rc": refused.returncode, "out": said}
+    override = re.search(r"add (trainer\.resume_mode=resume_path trainer\.resume_from_path=(\S+))$", said, re.M)
+    if refused.returncode != 2 or override is None:
+        pytest.fail(f"the damaged checkpoint was not refused with an override:\n{said[-4000:]}", pytrace=False)
+    result["override"] = override[1].split()
+    result["resumed_from"] = int(Path(override[2]).name.split("_")[-1])
+    rc, out = cpu_runs.launch(run, [*command, *result["override"]])
     if rc != 0:
-        pytest.fail(f"attempt 3 (relaunch after SIGKILL) ended with {rc}:\n{out[-4000:]}", pytrace=False)
+        pytest.fail(f"attempt 3 (relaunch with the override) ended with {rc}:\n{out[-4000:]}", pytrace=False)
     result["last"] = out
     return result
 
@@ -256,9 +275,14 @@ def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_ref
     run = preempted["run"]
     log = read_log(run / "log.jsonl")
     assert log.attempts == 3 and log.complete_through(4), (log.steps, log.continuity)
-    assert log.continuity == [] and log.steps == [1, 2, 3, 4]
     lines = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     second = [s for s in preempted["before_last"] if s > stopped]
+    # the override resumed from before the damaged checkpoint: the steps attempt 2 logged after it are logged again
+    again = [s for s in second if s > preempted["resumed_from"]]
+    assert log.steps == [1, 2, 3, 4] and len(log.continuity) == (1 if again else 0), log.continuity
+    if again:
+        note = log.continuity[0]
+        assert note.startswith(f"steps {again[0]}") and "logged by more than one attempt (attempts [2, 3])" in note
     events = [line.get("step", line.get("event")) for line in lines]
     resumed_from = preempted["resumed_from"]
     assert events == [*range(1, stopped + 1), "resume", *second, "resume", *range(resumed_from + 1, 5)], events
@@ -281,9 +305,10 @@ def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_ref
 
 def test_sigkill_after_a_periodic_checkpoint_ray_is_gone_and_the_relaunch_resumes_exactly(preempted, uninterrupted):
     """The driver of the pre-empted run's second attempt killed with SIGKILL once global_step_3 (save_freq 3) is
-    complete: no process of its Ray session is left after the reaper's bound, the relaunch resumes from the newest
-    complete checkpoint, the log holds steps 1-4 once each (a step the killed attempt logged after its checkpoint is
-    logged again and counted once), and every metric and the final weights equal the uninterrupted run's."""
+    complete: no process of its Ray session is left after the reaper's bound, the relaunch takes the newest complete
+    checkpoint (verifies it: the refusal of its damaged file below names it), the log holds steps 1-4 once each (a
+    step the killed attempt logged after its checkpoint is logged again and counted once), and every metric and the
+    final weights equal the uninterrupted run's."""
     killed, folder = preempted["sigkill"], preempted["folder"]
     names = " | ".join(killed["recorded"].values())
     assert "raylet" in names and "gcs_server" in names and "ray::TaskRunner" in names, names
@@ -294,8 +319,8 @@ def test_sigkill_after_a_periodic_checkpoint_ray_is_gone_and_the_relaunch_resume
     before = preempted["before_last"]
     assert before[-1] in (3, 4) and sorted(set(before)) == list(range(1, before[-1] + 1)), before
 
-    resumed_from = preempted["resumed_from"]
-    assert resumed_from in (3, 4), resumed_from
+    newest, resumed_from = preempted["newest"], preempted["resumed_from"]
+    assert newest in (3, 4), newest
     out = preempted["last"]
     assert f"global_step_{resumed_from}" in out and "Resuming from" in out, out[-4000:]
     log = read_log(preempted["run"] / "log.jsonl")
@@ -310,3 +335,26 @@ def torch_equal(a, b) -> bool:
     if hasattr(a, "full_tensor"):  # a DTensor shard of FSDP2
         a, b = a.full_tensor(), b.full_tensor()
     return isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_damaged_checkpoint_is_refused_before_ray_and_the_override_it_prints_resumes(preempted, uninterrupted):
+    """The newest complete checkpoint with its largest file cut to half: the relaunch stops in seconds, before Ray,
+    with exit 2 and one line naming the checkpoint, the file and the override; with that override the run resumes
+    from the newest intact checkpoint before it and ends with every metric and the final weights of the
+    uninterrupted run (verl alone had started Ray, built the workers and failed after 64 s on the zip archive)."""
+    damaged, folder, newest = preempted["damaged"], preempted["folder"], preempted["newest"]
+    out = damaged["out"]
+    assert damaged["rc"] == 2, out[-4000:]
+    line = [line for line in out.splitlines() if "DAMAGED CHECKPOINT" in line]
+    assert len(line) == 1, out[-4000:]
+    checkpoint, before = folder / f"global_step_{newest}", preempted["resumed_from"]
+    half, whole = damaged["size"] // 2, damaged["size"]
+    assert f"DAMAGED CHECKPOINT {checkpoint}: {damaged['file']} has {half} bytes, the save wrote {whole}" in line[0]
+    assert line[0].endswith(
+        f"to resume from global_step_{before}, the newest intact checkpoint before it, add "
+        f"trainer.resume_mode=resume_path trainer.resume_from_path={folder / f'global_step_{before}'}"
+    ), line[0]
+    assert before < newest and "TaskRunner" not in out and "ray init" not in out
+    last = preempted["last"]
+    assert f"global_step_{before}" in last and "Resuming from" in last, last[-4000:]
+    _assert_resumed_exactly(preempted["run"], uninterrupted, min(preempted["sigterm"]["steps"][-1], before))
