@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,10 @@ METRIC_PREFIX = {name: f"actor/{name}/" for name in KERNELS}
 # advantage and token count to this JSON-lines file (suffixed with the process's RANK): the demo's figure of the φ
 # each stale positive received. One extra host copy per call; off by default.
 TRACE_ENV = "RESPO_VERL_KERNEL_TRACE"
+# The value of TRACE_ENV that puts each run's trace beside its own verl file log (trace_path): one override shared by
+# the runs of a sweep, one trace per run.
+TRACE_BESIDE_LOG = "beside-log"
+LOG_PATH_ENV = "VERL_FILE_LOGGER_PATH"  # verl's file log; respo_verl.main_ppo forwards it to the Ray workers
 
 
 _ANNOUNCED: set[str] = set()  # losses whose paper-default fallback this process has announced
@@ -99,9 +105,31 @@ def _finish(
     values = torch.cat([terms.nonfinite_counts.to(diagnostics.dtype), n_valid_tok, diagnostics]).tolist()
     raise_on_nonfinite(values[:3], values[3], loss_name)
     if os.environ.get(TRACE_ENV):
-        _trace(os.environ[TRACE_ENV], loss_name, terms)
+        _trace(trace_path(os.environ), loss_name, terms)
     prefix = METRIC_PREFIX[loss_name]
     return pg_loss, {prefix + key: value for key, value in zip(diagnostic_keys(), values[4:], strict=True)}
+
+
+def trace_path(environ: Mapping[str, str]) -> str:
+    """Where the kernel trace goes (without the ``.rank<RANK>`` suffix), given the worker's environment: the path
+    ``RESPO_VERL_KERNEL_TRACE`` names, or, for :data:`TRACE_BESIDE_LOG`, verl's file log ``$VERL_FILE_LOGGER_PATH``
+    with its suffix replaced by ``.trace.jsonl`` (``logs/<run>.jsonl`` → ``logs/<run>.trace.jsonl``).
+
+    Raises:
+        ValueError: :data:`TRACE_BESIDE_LOG` without ``VERL_FILE_LOGGER_PATH`` (a log under
+            ``VERL_FILE_LOGGER_ROOT`` has a path the loss cannot know).
+    """
+    value = environ[TRACE_ENV]
+    if value != TRACE_BESIDE_LOG:
+        return value
+    log = environ.get(LOG_PATH_ENV)
+    if not log:
+        raise ValueError(
+            f"{TRACE_ENV}={TRACE_BESIDE_LOG} puts the kernel trace beside verl's file log, but {LOG_PATH_ENV} is not "
+            f"set in this worker: set it for the run (respo_verl.main_ppo forwards it to the workers), or give "
+            f"{TRACE_ENV} a path"
+        )
+    return str(Path(log).with_suffix(".trace.jsonl"))
 
 
 def _trace(path: str, loss_name: str, terms: KernelTerms) -> None:

@@ -3,6 +3,7 @@ calls them: metrics, bad input, edge cases, host syncs."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import ClassVar
 
@@ -188,3 +189,39 @@ def test_ablation_presets_compose_validate_and_carry_the_default_kernels(entry, 
     assert (actor.policy_loss.loss_mode, cfg.algorithm.adv_estimator) == (algorithm, "respo")
     # The YAML repeats the dataclass defaults (the same check as tests/verl/test_configs.py for respo / vespo).
     assert actor.policy_loss.respo == ReSPOConfig() and actor.policy_loss.vespo == VESPOConfig()
+
+
+def test_the_kernel_trace_appends_each_call_s_sequences_to_the_path_it_names(configs, tmp_path, monkeypatch):
+    from respo_verl.verl import losses
+
+    monkeypatch.setenv(losses.TRACE_ENV, str(tmp_path / "trace.jsonl"))
+    monkeypatch.setenv("RANK", "3")
+    data = batch(seed=1)
+    for _ in range(2):
+        call("vespo", configs["dp", "vespo"], data)
+    rows = [json.loads(line) for line in (tmp_path / "trace.jsonl.rank3").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0] == rows[1]
+    n_tok = data["response_mask"].sum(-1).tolist()
+    assert rows[0]["loss"] == "vespo" and rows[0]["n_tok"] == n_tok
+    assert rows[0]["adv"] == pytest.approx(data["advantages"][:, 0].tolist())
+    assert len(rows[0]["log_w"]) == len(rows[0]["phi"]) == len(n_tok)
+
+
+def test_the_kernel_trace_beside_log_goes_beside_each_run_s_own_verl_log(configs, tmp_path, monkeypatch):
+    """One shared value, ``beside-log``, and each run's trace next to its own log: ``<run>.trace.jsonl.rank<RANK>``."""
+    from respo_verl.verl import losses
+
+    monkeypatch.setenv(losses.TRACE_ENV, losses.TRACE_BESIDE_LOG)
+    monkeypatch.delenv("RANK", raising=False)
+    (tmp_path / "logs").mkdir()
+    for run in ("cpu-respo-n16-s0", "cpu-vespo-n16-s0"):
+        monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "logs" / f"{run}.jsonl"))
+        call("respo", configs["dp", "respo"], batch())
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "cpu-respo-n16-s0.trace.jsonl.rank0",
+        "cpu-vespo-n16-s0.trace.jsonl.rank0",
+    ]
+    assert losses.trace_path({losses.TRACE_ENV: "/x/t.jsonl", "VERL_FILE_LOGGER_PATH": "/y/l.jsonl"}) == "/x/t.jsonl"
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH")
+    with pytest.raises(ValueError, match="beside-log puts the kernel trace beside verl's file log, but VERL_FILE_"):
+        call("respo", configs["dp", "respo"], batch())
