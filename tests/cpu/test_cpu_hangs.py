@@ -1,26 +1,22 @@
 """Runs that would hang for ever stop, end to end on CPU: ``python -m respo_verl.main_ppo algorithm=respo +device=cpu``.
 
-Real subprocesses of our entry point, as in test_cpu_stops.py: the run's reward worker killed between steps (the
-liveness watch of the actors a step waits on), a reward function that never returns (the step-progress watchdog),
-and the update worker frozen with SIGSTOP between steps (the watchdog's phase deadline, measured in the driver).
-verl 0.9.1 would wait for ever in the first two (its replay buffer polls for the step's samples with no timeout);
-in the third, Ray's keepalive ended the run after 426 s with no phase, step or actor kind named. About 80-120 s each
-on a 2-core machine with other jobs.
+Real subprocesses of our entry point, as in test_cpu_stops.py (whose run's reward worker is killed: the liveness
+watch of the actors a step waits on): a reward function that never returns (the step-progress watchdog), and the
+update worker frozen with SIGSTOP between steps (the watchdog's phase deadline, measured in the driver). verl 0.9.1
+would wait for ever in the first (its replay buffer polls for the step's samples with no timeout); in the second,
+Ray's keepalive ended the run after 426 s with no phase, step or actor kind named. About 60-120 s each on a 2-core
+machine with other jobs.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import time
-from pathlib import Path
 
 import pytest
 from support import cpu_runs
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit
-from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_PHASE_STALLED, EXIT_STALLED
+from respo_verl.run.stops import EXIT_PHASE_STALLED, EXIT_STALLED
 from respo_verl.run.watchdog import PHASE_CHECK_INTERVAL_S, PHASE_FILE
 
 pytestmark = pytest.mark.slow
@@ -29,48 +25,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def kit():
     return build_kit(KitSpec(), progress=False)
-
-
-def test_the_runs_reward_worker_killed_mid_run_stops_the_run_within_a_minute(kit, tmp_path):
-    """SIGKILL of the run's RewardLoopWorker once step 1 is logged (found by the pid the reward function reports,
-    tests/support/cpu_modules/announcing_reward.py, and checked to be a process of this run's driver and a reward
-    worker): the next sample's reward fails, and before verl generates its group again the trainer finds the reward
-    worker dead. Without the watch verl regenerated the group for ever, a traceback each time."""
-    log = tmp_path / "log.jsonl"
-    killed: dict = {}
-
-    def kill_reward_worker(proc, out: str) -> None:
-        if killed or not cpu_runs.logged_steps(log):
-            return
-        # the driver scores a response too, before Ray starts: the line must come from the reward worker
-        announced = re.search(r"\(RewardLoopWorker pid=(\d+)\)\S* announcing_reward: scoring in pid (\d+)", out)
-        assert announced and announced[1] == announced[2], out[-4000:]
-        pid = int(announced[1])
-        assert cpu_runs.descends_from(pid, proc.pid), f"pid {pid} is not a process of this run"
-        assert b"RewardLoopWorker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        os.kill(pid, signal.SIGKILL)
-        killed.update(pid=pid, at=time.monotonic())
-
-    command = cpu_runs.command(
-        tmp_path / "ckpt",
-        2,
-        3,
-        "trainer.save_freq=-1",
-        f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'announcing_reward.py'}",
-    )
-    rc, out = cpu_runs.launch(tmp_path, command, timeout=420, while_running=kill_reward_worker)
-    seconds = time.monotonic() - killed["at"]
-    assert rc == EXIT_ACTOR_DIED, out[-4000:]
-    found = cpu_runs.stop_line(
-        out,
-        rf"\(dead actor, exit {EXIT_ACTOR_DIED}\): step (\d+): reward worker 0 of 1 \(RewardLoopWorker, pid "
-        r"(\d+)\) has died while the step waited for its train samples: (.+)",
-    )
-    step, pid, cause = int(found[1]), int(found[2]), found[3]
-    assert pid == killed["pid"] and step in (2, 3), found[0]
-    assert "The actor is dead because its worker process has died" in cause, cause
-    assert seconds < 60, f"the driver ended {seconds:.0f} s after the kill"
-    print(f"reward worker pid {pid} killed; driver exit {rc} after {seconds:.1f} s: {found[0]}")
 
 
 def test_a_step_whose_reward_never_returns_is_stopped_by_the_watchdog(kit, tmp_path):

@@ -35,7 +35,7 @@ from respo_verl.run.stops import (
 from respo_verl.run.watchdog import WATCH_PATCH_NAME, SampleWaitWatch, watch_replay_buffer
 
 PROG = "respo_verl.main_ppo"
-# Ray 2.60's reason for a worker process killed with SIGKILL (seen in tests/cpu/test_cpu_hangs.py's run)
+# Ray 2.60's reason for a worker process killed with SIGKILL (seen in tests/cpu/test_cpu_stops.py's run)
 KILLED = (
     "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
     "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the "
