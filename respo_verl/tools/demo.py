@@ -1,20 +1,24 @@
 """``respo-verl demo``: the problem ReSPO solves, in verl's own trainer on this machine's CPU, ReSPO beside VESPO.
 
-The default demo runs ``python -m respo_verl.main_ppo algorithm=<a> +device=cpu +task=cpu_chain`` for ReSPO and then
-VESPO with one seed, at rollout reuse N = :data:`REGIME_REUSE`: the chain task's correct answers are long
-(``respo_verl/cpu/kit/chain.py``), so the updates that reuse a rollout batch move their log W well below 0. It
-prints one line per step and method (the score, the share of positives with log W < −1, the mean φ those positives
-get, the starved positives' share of the gradient mass), then ``respo-verl report`` of both runs and a figure
-(:data:`FIGURE`): ReSPO's and VESPO's φ on the same stale sequences, the positives against log W and the negatives
-with log W > +1, over both kernels' curves, so that what differs is the kernel, not the run. Over so few steps a
-difference in score is not a result (docs/mini.md is the experiment); what the demo shows is the mechanism: starved
-positives exist, VESPO gives them almost nothing, ReSPO keeps weighting them.
+The default demo runs ReSPO and then VESPO with one seed on the chain task at rollout reuse N = :data:`REGIME_REUSE`,
+as the two runs of one ``respo-verl sweep`` (:func:`sweep_command`: ``python -m respo_verl.main_ppo algorithm=<a>
++device=cpu +task=cpu_chain`` each): the chain task's correct answers are long (``respo_verl/cpu/kit/chain.py``), so
+the updates that reuse a rollout batch move their log W well below 0. It prints one line per step and method from
+the runs' logs as the sweep writes them (the score, the share of positives with log W < −1, the mean φ those
+positives get, the starved positives' share of the gradient mass), then ``respo-verl report`` of both runs and a
+figure (:data:`FIGURE`): ReSPO's and VESPO's φ on the same stale sequences, the positives against log W and the
+negatives with log W > +1, over both kernels' curves, so that what differs is the kernel, not the run. Over so few
+steps a difference in score is not a result (docs/mini.md is the experiment); what the demo shows is the mechanism:
+starved positives exist, VESPO gives them almost nothing, ReSPO keeps weighting them.
 
-``--quick`` runs the former smoke run instead: one method on the addition task, N = 4, 8 steps.
+Everything goes under ``--out``: the sweep's manifest, its output (:data:`SWEEP_OUTPUT`), each run's log, verl's
+output and per-sequence kernel trace in ``logs/`` (``<run>.jsonl``, ``<run>.out``, ``<run>.trace.jsonl.rank<R>``:
+``RESPO_VERL_KERNEL_TRACE=beside-log``, respo_verl/verl/losses.py), and the report and figure in ``report/``. Run
+again, the sweep skips the complete runs; the demo prints their logged steps and redoes the report and the figure.
 
-Logs go where verl's file logger puts them: ``$VERL_FILE_LOGGER_PATH`` when set (``--quick`` only), else
-``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``, with ``--out`` as the root when neither is set. Each
-method's per-sequence kernel trace (``RESPO_VERL_KERNEL_TRACE``, respo_verl/verl/losses.py) goes next to its log.
+``--quick`` runs the former smoke run instead: one method on the addition task, N = 4, 8 steps. Its log goes where
+verl's file logger puts it: ``$VERL_FILE_LOGGER_PATH`` when set, else
+``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``, with ``--out`` as the root when neither is set.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ REGIME_REUSE = 16  # N of the regime demo: 15 of every 16 updates reuse a stale 
 REGIME_STEPS = 3
 REGIME_ALGORITHMS = ("respo", "vespo")
 TRACE_ENV = "RESPO_VERL_KERNEL_TRACE"  # respo_verl.verl.losses.TRACE_ENV; not imported: it would import verl
+TRACE_BESIDE_LOG = "beside-log"  # respo_verl.verl.losses.TRACE_BESIDE_LOG: each run's trace beside its own log
+SWEEP_MODEL = "cpu-chain"  # the sweep's model tag: the runs are <model>-<algorithm>-n<N>-s0
+SWEEP_OUTPUT = "sweep.txt"  # the sweep's own output, in --out
+TAIL_LINES = 25  # lines of a failed sweep's output the demo shows
+INTERRUPTED = 130  # the shell's status of a command ended by Ctrl-C
 FIGURE = "phi_vs_log_w.png"
 POLL_S = 0.5
 # The per-step line of the quick run: (metric, label, format); {loss} is the algorithm's metric prefix.
@@ -58,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", type=int, default=None, help=f"N (default {REGIME_REUSE}; --quick: 4)")
     p.add_argument("--steps", type=int, default=None, help=f"training steps (default {REGIME_STEPS}; --quick: 8)")
     p.add_argument("--out", type=Path, default=Path("runs/cpu_demo"), help="output folder (default runs/cpu_demo)")
+    p.add_argument("--force", action="store_true", help="the sweep's --force: replace the runs of --out that were made "
+                   "with other settings (their files move to OUT/replaced-<time>/) instead of refusing")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="further Hydra overrides for main_ppo")
     return p
 
@@ -129,23 +140,32 @@ def _step_line(step: int, steps: int, data: dict, loss: str = "respo", label: st
     return "  ".join(parts)
 
 
+def _print_new(log: Path, offset: int, steps: int, loss: str, label: str | None) -> tuple[int, int]:
+    """Print the step lines of ``log``'s complete lines after byte ``offset``; returns the new offset and the number
+    of steps printed."""
+    if not log.is_file():
+        return offset, 0
+    with log.open("rb") as fh:
+        fh.seek(offset)
+        chunk = fh.read()
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    seen = 0
+    for raw in complete.splitlines():
+        entry = json.loads(raw)
+        if "step" not in entry:  # e.g. the resume marker of a relaunched run
+            continue
+        seen += 1
+        print(_step_line(int(entry["step"]), steps, entry.get("data", {}), loss, label), flush=True)
+    return offset + len(complete), seen
+
+
 def follow(process: subprocess.Popen, log: Path, steps: int, loss: str = "respo", label: str | None = None) -> int:
     """Print one line per new log entry until ``process`` exits; returns the number of steps seen."""
     seen, offset = 0, 0
     while True:
         done = process.poll() is not None
-        if log.is_file():
-            with log.open("rb") as fh:
-                fh.seek(offset)
-                chunk = fh.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            offset += len(complete)
-            for raw in complete.splitlines():
-                entry = json.loads(raw)
-                if "step" not in entry:  # e.g. the resume marker of a relaunched run
-                    continue
-                seen += 1
-                print(_step_line(int(entry["step"]), steps, entry.get("data", {}), loss, label), flush=True)
+        offset, new = _print_new(log, offset, steps, loss, label)
+        seen += new
         if done:
             return seen
         time.sleep(POLL_S)
@@ -227,44 +247,124 @@ def quick(args: argparse.Namespace) -> int:
     return _report(log.parent, args.out / "report")
 
 
+def sweep_spec(out: Path, reuse: int, steps: int, overrides: list[str]):
+    """The regime demo's two runs as a grid of ``respo-verl sweep`` (:class:`respo_verl.tools.sweep.grid.SweepSpec`):
+    ReSPO and VESPO, N = ``reuse``, seed 0, ``steps`` training steps, the chain task, each kernel trace beside its
+    run's log, then ``overrides``. Raises ValueError as SweepSpec does."""
+    from respo_verl.tools.sweep.grid import SweepSpec
+
+    return SweepSpec(
+        algorithms=REGIME_ALGORITHMS,
+        reuse=(reuse,),
+        seeds=(0,),
+        model=SWEEP_MODEL,
+        mini_batch=MINI_BATCH_PROMPTS,
+        optimizer_steps=steps * reuse,
+        base_overrides=(
+            "+device=cpu",
+            "+task=cpu_chain",
+            f"actor_rollout_ref.rollout.n={SAMPLES_PER_PROMPT}",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.{TRACE_ENV}={TRACE_BESIDE_LOG}",
+            *overrides,
+        ),
+        out_dir=out,
+    )
+
+
+def sweep_command(spec, force: bool = False) -> list[str]:
+    """``python -m respo_verl.cli sweep ...`` of ``spec`` (a :func:`sweep_spec`), with this interpreter."""
+    return [
+        sys.executable, "-m", "respo_verl.cli", "sweep",
+        "--out", str(spec.out_dir), "--model", spec.model, "--algos", ",".join(spec.algorithms),
+        "--reuse", ",".join(map(str, spec.reuse)), "--seeds", ",".join(map(str, spec.seeds)),
+        "--mini-batch", str(spec.mini_batch), "--optimizer-steps", str(spec.optimizer_steps),
+        *(["--force"] if force else []),
+        "--", *spec.base_overrides,
+    ]  # fmt: skip
+
+
+def trace_of(log: Path) -> Path:
+    """A run's kernel trace (without its ``.rank<R>`` suffixes): beside its log, as ``beside-log`` puts it."""
+    return log.with_suffix(".trace.jsonl")
+
+
+def _started_afresh(records: list, out: Path, force: bool) -> list:
+    """The runs the sweep will start rather than skip: those without a complete log and, with ``--force``, those
+    whose files it moves away."""
+    from respo_verl.tools.sweep.runner import SweepConflict, is_complete, stale_files
+
+    moved: set[str] = set()
+    if force:
+        try:
+            moved = {name for name, _ in stale_files(records, out)}
+        except SweepConflict:
+            pass  # the sweep refuses, saying why
+    return [r for r in records if r.name in moved or not is_complete(r, out)]
+
+
+def follow_sweep(sweep: subprocess.Popen, records: list, out: Path) -> None:
+    """Print the step lines of each run's log in turn while ``sweep`` runs: a run's until its log is complete or the
+    sweep has ended (a complete run that the sweep skipped prints its logged steps at once)."""
+    from respo_verl.tools.sweep.runner import is_complete, log_path
+
+    for record in records:
+        log, offset = log_path(record, out), 0
+        while True:
+            finished = sweep.poll() is not None or is_complete(record, out)
+            offset, _ = _print_new(log, offset, record.last_log_step, loss_name(record.algorithm), record.algorithm)
+            if finished:
+                break
+            time.sleep(POLL_S)
+
+
 def regime(args: argparse.Namespace) -> int:
-    """ReSPO, then VESPO, on the chain task at N = REGIME_REUSE; the report and the figure of both."""
+    """ReSPO, then VESPO, on the chain task at N = REGIME_REUSE, through ``respo-verl sweep``; the report and the
+    figure of both."""
+    from respo_verl.tools.sweep.grid import expand
+    from respo_verl.tools.sweep.runner import log_path
+
     reuse, steps = args.reuse or REGIME_REUSE, args.steps or REGIME_STEPS
-    if os.environ.get("VERL_FILE_LOGGER_PATH"):
-        print("respo-verl demo: VERL_FILE_LOGGER_PATH names one file; the demo writes two runs (unset it, or "
-              "use VERL_FILE_LOGGER_ROOT)", file=sys.stderr)  # fmt: skip
+    try:
+        spec = sweep_spec(args.out, reuse, steps, args.overrides)
+        records = expand(spec, compose=False)  # the sweep composes them; here: their names and logs
+    except ValueError as exc:
+        print(f"respo-verl demo: {exc}", file=sys.stderr)
         return 2
-    runs = []
+    output = args.out / SWEEP_OUTPUT
+    runs = {r.algorithm: (log_path(r, args.out), trace_of(log_path(r, args.out))) for r in records}
     try:
         args.out.mkdir(parents=True, exist_ok=True)
-        for algorithm in REGIME_ALGORITHMS:
-            log = log_path(args.out, f"{algorithm}_n{reuse}")
-            _prepare(log)
-            trace = log.with_suffix(".trace.jsonl")
-            for stale in log.parent.glob(f"{trace.name}.rank*"):
+        for record in _started_afresh(records, args.out, args.force):  # a trace holds the run's last attempt only
+            trace = runs[record.algorithm][1]
+            for stale in trace.parent.glob(f"{trace.name}.rank*"):
                 stale.unlink()
-            runs.append((algorithm, log, trace))
+        output.write_bytes(b"")
     except OSError as exc:
         print(f"respo-verl demo: cannot write the output: {exc}", file=sys.stderr)
         return 2
+    cmd = sweep_command(spec, args.force)
     print(f"The starvation regime in verl's trainer: the chain task (51-token correct answers), N = {reuse}, "
-          f"{steps} steps each, ReSPO then VESPO with one seed.", flush=True)  # fmt: skip
-    records = []
-    for algorithm, log, trace in runs:
-        trace_env = f"+ray_kwargs.ray_init.runtime_env.env_vars.{TRACE_ENV}={trace}"
-        cmd = command(algorithm, reuse, steps, log.stem, [trace_env, *args.overrides], task="cpu_chain")
-        env = {**os.environ, "VERL_FILE_LOGGER_ROOT": str(log.parent.parent)}
-        trainer_log = args.out / f"main_ppo_{algorithm}.log"
-        print(f"{algorithm}: python {' '.join(cmd[1:])}\n  (verl's output: {trainer_log})", flush=True)
-        if not _run(cmd, env, log, trainer_log, steps, loss_name(algorithm), algorithm):
-            return 1
-        records.append(run_record(log, algorithm, reuse, steps, cmd))
-    from respo_verl.tools.runs.manifest import write_manifest as write
-
-    write(records, runs[0][1].parent)
-    status = _report(runs[0][1].parent, args.out / "report")
+          f"{steps} steps each, ReSPO then VESPO with one seed, as one sweep:\n"
+          f"python {' '.join(cmd[1:])}\n(the sweep's output: {output}; each run's log, verl's output and "
+          f"kernel trace: {args.out / 'logs'})", flush=True)  # fmt: skip
+    with output.open("w") as fh:
+        sweep = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            follow_sweep(sweep, records, args.out)
+            sweep.wait()  # the last run's log is complete before its driver and the sweep have ended
+        except KeyboardInterrupt:  # the sweep got it too (same terminal): it stops its run, which saves
+            print("respo-verl demo: interrupted; waiting for the sweep to stop its run (the same command resumes)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            sweep.wait()
+            return INTERRUPTED
+    if sweep.returncode != 0:
+        tail = output.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+        print("\n".join(tail), file=sys.stderr)
+        print(f"respo-verl demo: the sweep exited with {sweep.returncode} (its output: {output})", file=sys.stderr)
+        return sweep.returncode
+    status = _report(args.out, args.out / "report")
     figure = args.out / "report" / FIGURE
-    plot_mechanism({a: (log, trace) for a, log, trace in runs}, figure)
+    plot_mechanism(runs, figure)
     print(f"figure: {figure}")
     print("A score difference over so few steps is not a result (docs/mini.md is the experiment). What the demo "
           "shows is the mechanism: the stale positives below log W = -1 and the φ each method gives them.")  # fmt: skip
@@ -389,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if (args.reuse is not None and args.reuse < 1) or (args.steps is not None and args.steps < 1):
         print("respo-verl demo: --reuse and --steps must be positive integers", file=sys.stderr)
+        return 2
+    if args.quick and args.force:
+        print("respo-verl demo: --force is the regime demo's (its sweep's); --quick runs no sweep", file=sys.stderr)
         return 2
     started = time.perf_counter()
     status = quick(args) if args.quick else regime(args)

@@ -1,19 +1,29 @@
 """``respo-verl demo``: where the logs go, the jobs it launches, the per-step lines, bad input, the figure's two kernels
 on the same sequences, and (slow) the demo itself end to end: verl's trainer on the chain task, ReSPO then VESPO, and
-the figure of both kernels' φ on their stale sequences."""
+the figure of both kernels' φ on their stale sequences.
+
+The demo's two runs are the runs of one ``respo-verl sweep``, and its end-to-end test is the suite's one real sweep of
+verl runs (tests/tools/sweep/test_sweep_cpu.py tests the sweep's mechanics on a stand-in run program): it checks what
+the sweep does with verl's trainer (the runs' output in their files, their logs, the manifest's commands and hashes,
+the report over the folder) besides what the demo shows."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
 import pytest
 from support import cpu_runs
+from support.trainer_checks import RESPO_KEYS, assert_trains
 
 from respo_verl.run.compose import compose_job
 from respo_verl.tools import demo
+from respo_verl.tools.runs.logs import read_log
+from respo_verl.tools.runs.manifest import read_manifest
+from respo_verl.tools.sweep.grid import expand
 
 
 def test_log_path_follows_verls_file_logger_variables(tmp_path, monkeypatch):
@@ -49,17 +59,27 @@ def test_follow_prints_one_line_per_logged_step(tmp_path, capsys):
     assert out == ["step 1/2  reward -0.50  log W+ -0.250", "step 2/2  reward -0.50  log W+ -0.250"]
 
 
-@pytest.mark.parametrize("args", [["--reuse", "0"], ["--steps", "0"], ["--algorithm", "ppo"]])
-def test_bad_options_exit_2(args, capsys):
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--reuse", "0"],
+        ["--steps", "0"],
+        ["--algorithm", "ppo"],
+        ["--quick", "--force"],
+        ["trainer.default_local_dir=/tmp/elsewhere"],  # the sweep sets it per run
+    ],
+)
+def test_bad_options_exit_2(args, capsys, tmp_path):
     """In-process: the console script's ``main``; a refusal comes before anything is launched."""
     from respo_verl import cli
 
     try:
-        status = cli.main(["demo", *args])
+        status = cli.main(["demo", "--out", str(tmp_path / "out"), *args])
     except SystemExit as exc:  # argparse's refusal of a choice
         status = exc.code
     err = capsys.readouterr().err
     assert status == 2 and err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_regime_line_reports_the_starved_positives_from_the_step_s_counts():
@@ -77,13 +97,57 @@ def test_the_regime_line_reports_the_starved_positives_from_the_step_s_counts():
     assert demo.starvation({}, "respo") is None
 
 
-def test_the_regime_jobs_run_the_chain_task_at_the_regime_s_n_and_compose():
-    cmd = demo.command("vespo", demo.REGIME_REUSE, 3, "vespo_n16", [], task="cpu_chain")
-    cfg = compose_job("respo", cmd[3:])  # our entry point's composition
-    reuse = cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-    assert reuse == demo.REGIME_REUSE == 16
-    assert cfg.actor_rollout_ref.rollout.custom.stop_rule == "respo_verl.cpu.kit.chain:ends_answer"
-    assert cfg.data.max_response_length == 51 and cfg.actor_rollout_ref.model.path.endswith("/chain/model")
+def test_the_regime_jobs_run_the_chain_task_at_the_regime_s_n_and_compose(tmp_path, capsys):
+    """The sweep the demo starts, given to the sweep's own command line with ``--print`` (which composes and checks
+    each run and writes the manifest): its runs are the demo's, and each composes to the chain task at N = 16 with its
+    kernel trace beside its own log."""
+    from respo_verl.tools.sweep import cli as sweep_cli
+
+    out = tmp_path / "out"
+    spec = demo.sweep_spec(out, demo.REGIME_REUSE, 3, ["actor_rollout_ref.actor.optim.lr=1e-4"])
+    cmd = demo.sweep_command(spec)
+    assert cmd[:4] == [sys.executable, "-m", "respo_verl.cli", "sweep"]
+    cut = cmd.index("--")
+    assert sweep_cli.main([*cmd[4:cut], "--print", *cmd[cut:]]) == 0, capsys.readouterr().err
+    records = read_manifest(out / "manifest.jsonl")
+    fields = [(r.name, r.algorithm, r.log, r.env, r.last_log_step) for r in records]  # what the demo follows
+    assert fields == [(r.name, r.algorithm, r.log, r.env, r.last_log_step) for r in expand(spec, compose=False)]
+    assert [r.name for r in records] == ["cpu-chain-respo-n16-s0", "cpu-chain-vespo-n16-s0"]
+    for record, algorithm in zip(records, demo.REGIME_ALGORITHMS, strict=True):
+        assert record.algorithm == algorithm and record.config_hash
+        cfg = compose_job("respo", record.command[3:])  # our entry point's composition
+        reuse = cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        assert reuse == demo.REGIME_REUSE == 16 and cfg.trainer.total_training_steps == 3
+        assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == algorithm
+        assert cfg.actor_rollout_ref.rollout.n == demo.SAMPLES_PER_PROMPT
+        assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-4)
+        assert cfg.actor_rollout_ref.rollout.custom.stop_rule == "respo_verl.cpu.kit.chain:ends_answer"
+        assert cfg.data.max_response_length == 51 and cfg.actor_rollout_ref.model.path.endswith("/chain/model")
+        assert cfg.ray_kwargs.ray_init.runtime_env.env_vars[demo.TRACE_ENV] == demo.TRACE_BESIDE_LOG
+        log = (out / "logs" / f"{record.name}.jsonl").resolve()
+        assert record.env == {"VERL_FILE_LOGGER_PATH": str(log)}
+        assert demo.trace_of(log) == log.parent / f"{record.name}.trace.jsonl"
+
+
+def test_the_regime_demo_prints_each_run_s_logged_steps_in_turn(tmp_path, capsys):
+    """After the sweep has ended (a rerun whose runs were skipped, or a failed sweep): every logged step of each run,
+    in the sweep's order, labelled with its method; a line still being written is not printed."""
+    out = tmp_path / "out"
+    records = expand(demo.sweep_spec(out, 4, 2, []), compose=False)
+    (out / "logs").mkdir(parents=True)
+    for record in records:
+        prefix = f"actor/{record.algorithm}/"
+        data = {prefix + "pos_count": 4.0, prefix + "starved_count": 1.0, prefix + "starved_phi_sum": 0.5,
+                prefix + "starved_mass_share": 0.25}  # fmt: skip
+        lines = [json.dumps({"step": s, "data": data}) + "\n" for s in (1, 2)]
+        (out / record.log).write_text("".join(lines) + '{"step": 3, "da')
+    sweep = subprocess.Popen([sys.executable, "-c", "pass"])
+    sweep.wait()
+    demo.follow_sweep(sweep, records, out)
+    tail = "positives with log W < -1: 25%  their mean φ 0.50  their gradient mass 25%"
+    assert capsys.readouterr().out.splitlines() == [
+        f"{algorithm:<6} step {step}/2  {tail}" for algorithm in demo.REGIME_ALGORITHMS for step in (1, 2)
+    ]
 
 
 def _respo(log_w: float, positive: bool) -> float:
@@ -137,32 +201,53 @@ def test_the_figure_puts_both_kernels_on_the_same_stale_sequences(tmp_path):
 
 @pytest.mark.slow
 def test_make_demo_shows_starved_positives_weighted_under_respo_and_not_under_vespo(tmp_path):
-    """The demo end to end, 2 steps per method. The thresholds come from the kernels, fixed before any run: a
-    positive with log W < -1 gets φ above ReSPO's φ(-1) = 1.287 and below VESPO's φ(-1) = 0.902, so the starved
-    positives' mean φ must be on those sides; and at least 10 % of the stale positives of each run must be starved
-    (the regime, a threshold set before looking at scores)."""
+    """The demo end to end, 2 steps per method, through ``respo-verl sweep`` (the suite's one real sweep of verl runs,
+    see the module docstring). The thresholds come from the kernels, fixed before any run: a positive with
+    log W < -1 gets φ above ReSPO's φ(-1) = 1.287 and below VESPO's φ(-1) = 0.902, so the starved positives' mean φ
+    must be on those sides; and at least 10 % of the stale positives of each run must be starved (the regime, a
+    threshold set before looking at scores)."""
     import torch
 
     from respo_verl.core.config import ReSPOConfig, VESPOConfig
     from respo_verl.core.kernels import respo_phi, vespo_phi
 
-    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("VERL_FILE_LOGGER_PATH", None)
-    env.pop("VERL_FILE_LOGGER_ROOT", None)
+    env = cpu_runs.run_env(None)  # no file-logger variables: the sweep sets each run's log
     out = tmp_path / "demo"
+    ray_tmp = cpu_runs.ray_temp_dir()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "respo_verl.cli", "demo", "--steps", "2", "--out", str(out)],
+            [sys.executable, "-m", "respo_verl.cli", "demo", "--steps", "2", "--out", str(out),
+             f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"],
             capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
         )  # fmt: skip
-    finally:  # one verl driver per method that logged, counted with the suite's (tests/support/cpu_runs.py)
-        logs = [out / demo.PROJECT / f"{algorithm}_n16.jsonl" for algorithm in demo.REGIME_ALGORITHMS]
-        cpu_runs.record_drivers(sum(log.is_file() for log in logs), "respo-verl demo")
+    finally:  # one verl driver per attempt the sweep started, counted with the suite's (tests/support/cpu_runs.py)
+        attempts = sum(path.read_text().count("=== respo-verl sweep") for path in (out / "logs").glob("*.out"))
+        cpu_runs.record_drivers(attempts, "respo-verl demo")
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     lines = proc.stdout.splitlines()
     for algorithm in demo.REGIME_ALGORITHMS:
         assert sum(line.startswith(f"{algorithm}  step ") for line in lines) == 2, proc.stdout
     assert "respo-verl demo:" in lines[-1] and "s in all" in lines[-1]
+
+    # The sweep: both runs done, their own output in their files, not in the sweep's.
+    sweep = (out / demo.SWEEP_OUTPUT).read_text()
+    assert sweep.rstrip().splitlines()[-1] == "2 done", sweep[-3000:]
+    assert "TaskRunner" not in sweep and "TaskRunner" not in proc.stdout
+    manifest = {r.name: r for r in read_manifest(out / "manifest.jsonl")}
+    names = {algorithm: f"{demo.SWEEP_MODEL}-{algorithm}-n16-s0" for algorithm in demo.REGIME_ALGORITHMS}
+    assert sorted(manifest) == sorted(names.values())
+    for algorithm, name in names.items():
+        log = read_log(out / "logs" / f"{name}.jsonl")
+        assert log.steps == [1, 2] and log.continuity == [], (name, log.continuity)
+        entries = [json.loads(line) for line in (out / "logs" / f"{name}.jsonl").read_text().splitlines()]
+        assert_trains(entries)
+        keys = RESPO_KEYS if algorithm == "respo" else ("actor/vespo/starved_mass_share",)
+        for entry in entries:
+            assert not [k for k in keys if k not in entry["data"]], (name, sorted(entry["data"]))
+        assert "=== respo-verl sweep" in (out / "logs" / f"{name}.out").read_text()
+        record = manifest[name]
+        assert record.command[:3] == ["python", "-m", "respo_verl.main_ppo"] and record.config_hash
 
     minus_one = torch.tensor([-1.0], dtype=torch.float64)
     yes = torch.tensor([True])
@@ -172,8 +257,8 @@ def test_make_demo_shows_starved_positives_weighted_under_respo_and_not_under_ve
     }
     assert bound["respo"] == pytest.approx(1.287, abs=1e-3) and bound["vespo"] == pytest.approx(0.902, abs=1e-3)
     runs = {}
-    for algorithm in demo.REGIME_ALGORITHMS:
-        log = out / demo.PROJECT / f"{algorithm}_n16.jsonl"
+    for algorithm, name in names.items():
+        log = out / "logs" / f"{name}.jsonl"
         trace = log.with_suffix(".trace.jsonl")
         runs[algorithm] = (log, trace)
         stale = demo.stale_positives(trace)
@@ -203,4 +288,4 @@ def test_make_demo_shows_starved_positives_weighted_under_respo_and_not_under_ve
         not pooled["negatives_high"] and titles[1] == "no stale negative with log W > +1 in these runs"
     )
     report = (out / "report" / "report.md").read_text()
-    assert "ReSPO" in report and "VESPO" in report
+    assert "| ReSPO | 16 | 0 |" in report and "| VESPO | 16 | 0 |" in report, report

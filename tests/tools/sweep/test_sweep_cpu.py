@@ -1,13 +1,14 @@
-"""``respo-verl sweep --out DIR`` on this machine, end to end: its mechanics on a stand-in run program, and one real
-sweep of verl's trainer on this CPU.
+"""``respo-verl sweep --out DIR`` on this machine, end to end, on a stand-in run program.
 
 Why a stand-in: what the sweep itself does (its folder lock, a run that fails or is killed, a killed or interrupted
 sweep, resuming and skipping, ``--force``, progress and reports) does not depend on what a run computes, and a verl run
 costs about 70 CPU seconds where the stand-in (tests/support/standin/standin_run.py) takes a second. The stand-in is a
 real program that the real sweep starts (tests/support/standin_sweep.py changes only the run's module): it writes verl's
 log lines, saves checkpoint folders, resumes from its tracker and honours SIGTERM as the respo-verl trainer does. That
-the trainer itself does those things is tested on verl runs in tests/cpu/test_cpu_resume.py. The real sweep of two verl
-runs at the end is the check that the sweep's runs are verl runs that train and report.
+the trainer itself does those things is tested on verl runs in tests/cpu/test_cpu_resume.py. The suite's one real sweep
+of verl runs (two runs, ReSPO and VESPO) is the demo's, in tests/cpu/test_demo.py: ``respo-verl demo`` runs its two runs
+through ``respo-verl sweep``, and that test checks that the sweep's runs are verl runs that train, write their output to
+their own files, are recorded in the manifest with a configuration hash, and are read by ``respo-verl report``.
 
 The stand-in grid is ReSPO, VESPO and GRPO at N = 2 (4 steps each, a checkpoint after every step), driven through three
 invocations of the same command (and one refused), shared by the module's tests:
@@ -26,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,11 +34,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support import cpu_runs
 from support.standin_sweep import STANDIN_SWEEP
-from support.trainer_checks import RESPO_KEYS, assert_trains
 
-from respo_verl.cpu.kit.build import KitSpec, build_kit
 from respo_verl.run.checkpoint import MARKER
 from respo_verl.tools.runs.logs import read_log
 from respo_verl.tools.runs.manifest import read_manifest
@@ -306,57 +303,3 @@ def test_force_replaces_a_grid_with_other_settings_and_its_runs_start_afresh(tmp
     log = read_log(out / "logs" / f"{RESPO}.jsonl")
     assert log.steps == [1, 2] and log.attempts == 1, (log.steps, log.continuity)
     assert "Resuming from" not in (out / "logs" / f"{RESPO}.out").read_text()
-
-
-# --- one real sweep of verl runs --------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def verl_sweep(tmp_path_factory):
-    """ReSPO and VESPO at N = 2, 2 steps each, through ``respo-verl sweep`` and verl's trainer on this CPU (the two
-    drivers are counted with the suite's), then ``respo-verl report`` over the folder."""
-    build_kit(KitSpec(), progress=False)
-    root = tmp_path_factory.mktemp("sweep_verl")
-    out = root / "out"
-    ray_tmp = cpu_runs.ray_temp_dir()
-    argv = [
-        sys.executable, "-m", "respo_verl.cli", "sweep", *_grid(out, "respo,vespo", 2)[:-1],
-        "--", "+device=cpu", f"+ray_kwargs.ray_init._temp_dir={ray_tmp}",
-    ]  # fmt: skip
-    env = cpu_runs.run_env(None)
-    try:
-        sweep = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
-    finally:
-        attempts = sum(
-            path.read_text().count("=== respo-verl sweep") for path in (out / "logs").glob("*.out")
-        )  # one per driver the sweep started
-        cpu_runs.record_drivers(attempts, "respo-verl sweep")
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    report = subprocess.run(
-        [sys.executable, "-m", "respo_verl.cli", "report", str(out), "--out", str(root / "report"), "--no-plots"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    return {"out": out, "sweep": sweep, "report": report, "report_md": root / "report" / "report.md"}
-
-
-def test_a_real_sweep_runs_verls_trainer_and_its_report_reads_the_logs(verl_sweep):
-    sweep, out = verl_sweep["sweep"], verl_sweep["out"]
-    text = sweep.stdout + sweep.stderr
-    assert sweep.returncode == 0, text[-4000:]
-    assert text.rstrip().splitlines()[-1] == "2 done"
-    assert "TaskRunner" not in text  # the runs' own output goes to their files
-    for name, algorithm in (("cpu-respo-n2-s0", "respo"), ("cpu-vespo-n2-s0", "vespo")):
-        log = read_log(out / "logs" / f"{name}.jsonl")
-        assert log.steps == [1, 2] and log.continuity == [], (name, log.continuity)
-        lines = [json.loads(line) for line in (out / "logs" / f"{name}.jsonl").read_text().splitlines()]
-        assert_trains(lines)
-        keys = RESPO_KEYS if algorithm == "respo" else ("actor/vespo/starved_mass_share",)
-        for line in lines:
-            assert not [k for k in keys if k not in line["data"]], (name, sorted(line["data"]))
-        assert "=== respo-verl sweep" in (out / "logs" / f"{name}.out").read_text()
-        (record,) = [r for r in read_manifest(out / "manifest.jsonl") if r.name == name]
-        assert record.command[:3] == ["python", "-m", "respo_verl.main_ppo"] and record.config_hash
-    report = verl_sweep["report"]
-    assert report.returncode == 0, report.stderr[-3000:]
-    text = verl_sweep["report_md"].read_text()
-    assert "| ReSPO | 2 | 0 |" in text and "| VESPO | 2 | 0 |" in text, text
