@@ -66,8 +66,10 @@ compare: setup
 	@echo "report: $(COMPARE_OUT)/report/report.md"
 
 # The problem ReSPO solves, in verl's own trainer on this CPU: the chain task's long correct answers at rollout reuse
-# N = 16, ReSPO then VESPO (python -m respo_verl.main_ppo algorithm=<a> +device=cpu +task=cpu_chain), one line per
-# step and method, the report of both and the figure of the φ their stale positives received (docs/cpu.md).
+# N = 16, ReSPO then VESPO as the two runs of one respo-verl sweep (python -m respo_verl.main_ppo algorithm=<a>
+# +device=cpu +task=cpu_chain), one line per step and method, the report of both and the figure of the φ their stale
+# positives received, all under runs/cpu_demo (logs/, report/, sweep.txt; docs/cpu.md). Run again, it skips the
+# finished runs.
 demo: setup
 	$(VENV)/bin/respo-verl demo
 

@@ -5,9 +5,9 @@ the hf_cpu rollout server, FSDP2 on gloo, verl's naive weight sync and verl's fi
 
 One run here: verl's own entry point, trained once in the suite (the loss chosen by verl's own key, verl's legacy
 trainer). ReSPO through our entry point with rollout reuse is checked on the uninterrupted reference run of
-test_cpu_resume.py, VESPO through the trainer on the real sweep of tests/tools/sweep/test_sweep_cpu.py, the negative
-controls of the weight sync and of log W on the stale-server run of test_cpu_stops.py, and the stop on non-finite
-log-probabilities at the end of the R3 run of test_cpu_megatron.py.
+test_cpu_resume.py, VESPO through the trainer on the demo's real sweep (test_demo.py), the negative controls of the
+weight sync and of log W on the stale-server run of test_cpu_stops.py, and the stop on non-finite log-probabilities at
+the end of the R3 run of test_cpu_megatron.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`respo-verl sweep`: the paper grid expands, composes and prints; bad input and a reused --out are refused before
-anything starts. The sweeps that run verl's trainer are in test_sweep_cpu.py."""
+anything starts. The sweeps that run are in test_sweep_cpu.py (on a stand-in run program) and, with verl's trainer,
+the demo's in tests/cpu/test_demo.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Why the runs are the stand-in program (tests/support/standin/standin_run.py, sta
 the real sweep with only the run's module changed): what is tested here is the Ray Jobs executor (submission, no
 duplicates, waiting, a stopped job reported, the local layout written), which does not depend on what a job computes; a
 verl job costs about 70 CPU seconds and a Ray cluster of its own, the stand-in a second. The one real sweep of verl runs
-is in test_sweep_cpu.py.
+is the demo's, in tests/cpu/test_demo.py.
 
 One grid of two runs, ReSPO and VESPO at N = 2 (2 steps each, 6 s and a minute long), shared by the module's
 tests: submitted with ``--no-wait``, submitted again at once with ``--no-wait`` (nothing is duplicated), then a
