@@ -290,15 +290,19 @@ def trace_of(log: Path) -> Path:
 
 def _started_afresh(records: list, out: Path, force: bool) -> list:
     """The runs the sweep will start rather than skip: those without a complete log and, with ``--force``, those
-    whose files it moves away."""
-    from respo_verl.tools.sweep.runner import SweepConflict, is_complete, stale_files
+    whose files it moves away; none when it will refuse ``out`` (another grid or other settings, no ``--force``)."""
+    from respo_verl.tools.sweep.runner import SweepConflict, check_same_sweep, is_complete, stale_files
 
-    moved: set[str] = set()
-    if force:
+    try:
+        check_same_sweep(records, out)
+        moved: set[str] = set()
+    except SweepConflict:
+        if not force:
+            return []  # the sweep refuses, saying why, and starts nothing
         try:
             moved = {name for name, _ in stale_files(records, out)}
         except SweepConflict:
-            pass  # the sweep refuses, saying why
+            return []  # refused too (a manifest naming files outside the sweep's folders)
     return [r for r in records if r.name in moved or not is_complete(r, out)]
 
 

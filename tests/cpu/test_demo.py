@@ -150,6 +150,23 @@ def test_the_regime_demo_prints_each_run_s_logged_steps_in_turn(tmp_path, capsys
     ]
 
 
+def test_a_rerun_starts_afresh_only_the_runs_the_sweep_will_run(tmp_path):
+    """Whose kernel traces the demo clears before its sweep: none when the sweep will refuse ``--out`` (other settings
+    without ``--force``), only the incomplete runs when nothing changed, and with ``--force`` the runs that differ."""
+    from respo_verl.tools.runs.manifest import write_manifest
+
+    out = tmp_path / "out"
+    done = expand(demo.sweep_spec(out, 4, 2, []), compose=False)
+    write_manifest(done, out)
+    (out / "logs").mkdir()
+    steps = "".join(json.dumps({"step": s, "data": {"critic/score/mean": 0.5}}) + "\n" for s in (1, 2))
+    (out / done[0].log).write_text(steps)  # ReSPO's run complete, VESPO's not started
+    assert [r.name for r in demo._started_afresh(done, out, force=False)] == [done[1].name]
+    longer = expand(demo.sweep_spec(out, 4, 3, []), compose=False)
+    assert demo._started_afresh(longer, out, force=False) == []
+    assert [r.name for r in demo._started_afresh(longer, out, force=True)] == [r.name for r in longer]
+
+
 def _respo(log_w: float, positive: bool) -> float:
     """ReSPO's default kernel by hand: φ+(W) = ((1 + W)/2)·e^(1 − W), φ−(W) = √W·e^(2(1 − √W)) (docs/method.md)."""
     w = math.exp(log_w)
