@@ -28,7 +28,12 @@ exactly those:
 - ``clip_grad_by_total_norm_fp32`` as the optimizer module uses it: megatron-core's asserts
   ``param.grad.type() == 'torch.cuda.FloatTensor'`` before it scales the gradients; the CPU version checks for fp32
   gradients instead and scales them by the same ``max_norm / (total_norm + 1e-6)`` when that is below 1 (the norm
-  itself is still megatron's ``get_grad_norm_fp32``).
+  itself is still megatron's ``get_grad_norm_fp32``);
+- the exchange of a fully parallel dist-checkpoint load (verl's ``load_dist_checkpointing`` spreads the reads over
+  the data-parallel ranks, then each shard goes to every rank that needs it): megatron-core's default, a broadcast
+  per shard, first moves each shard to CUDA (``.cuda()``, expert parallelism > 1 on CPU). Its own
+  ``exchange_loaded_tensors_gather_object``, one ``all_gather_object`` of the host tensors, takes the broadcast's
+  place: every rank gets the same bytes.
 
 It is a stand-in for the device, not for megatron: every megatron code path runs as written. It is process-global
 (it patches ``torch.cuda``), so apply it only in a process that never uses a GPU: the CPU Megatron engine
@@ -150,6 +155,7 @@ def _host_copy(original):
 
 def _install(patch: Patch) -> None:
     import torch
+    from megatron.core.dist_checkpointing import exchange_utils
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -183,6 +189,12 @@ def _install(patch: Patch) -> None:
         "maybe_move_tensor_to_cpu",
         _host_copy(token_dispatcher.maybe_move_tensor_to_cpu),
         "all-to-all split sizes must reach torch as host lists",
+    )
+    patch.replace(
+        exchange_utils,
+        "exchange_loaded_tensors_broadcast",
+        exchange_utils.exchange_loaded_tensors_gather_object,
+        "the fully parallel load's broadcast moves every shard to CUDA first",
     )
     cpu_torch = TorchOnDevice(torch, "cpu")
     for module_name in _CUDA_LITERAL_MODULES:

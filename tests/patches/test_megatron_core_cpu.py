@@ -1,4 +1,5 @@
-"""The CPU patch of megatron-core 0.16.1: applied only when asked, idempotent, undone by ``remove()``."""
+"""The CPU patch of megatron-core 0.16.1: applied only when asked, idempotent, undone by ``remove()``; a fully parallel
+checkpoint load on two gloo ranks under it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron.core.dist_checkpointing import exchange_utils
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer.moe import moe_utils
 
@@ -17,7 +19,12 @@ from respo_verl.patches.megatron_core_0_16_1 import CPU as cpu_patch
 
 
 def test_apply_is_idempotent_and_remove_restores_every_original():
-    originals = (torch.cuda.current_device, torch.cuda.Stream, megatron_random._set_cuda_rng_state)
+    originals = (
+        torch.cuda.current_device,
+        torch.cuda.Stream,
+        megatron_random._set_cuda_rng_state,
+        exchange_utils.exchange_loaded_tensors_broadcast,
+    )
     had_gemm = hasattr(moe_utils, "te_general_gemm")
     assert cpu_patch.apply() is True
     try:
@@ -29,10 +36,17 @@ def test_apply_is_idempotent_and_remove_restores_every_original():
         assert hasattr(moe_utils, "te_general_gemm")
         with megatron_random.get_cuda_rng_tracker().fork():
             pass
+        # a fully parallel checkpoint load exchanges its shards as host tensors (no .cuda())
+        assert exchange_utils.exchange_loaded_tensors_broadcast is exchange_utils.exchange_loaded_tensors_gather_object
     finally:
         cpu_patch.remove()
     assert not cpu_patch.applied
-    assert (torch.cuda.current_device, torch.cuda.Stream, megatron_random._set_cuda_rng_state) == originals
+    assert (
+        torch.cuda.current_device,
+        torch.cuda.Stream,
+        megatron_random._set_cuda_rng_state,
+        exchange_utils.exchange_loaded_tensors_broadcast,
+    ) == originals
     assert hasattr(moe_utils, "te_general_gemm") == had_gemm
     assert cpu_patch.remove() is False  # a second remove does nothing
 
@@ -68,3 +82,72 @@ def test_the_torch_stand_in_moves_cuda_factories_only(device):
         assert factory(*args).device.type == "cpu"
     assert stand_in.float32 is torch.float32 and stand_in.cat is torch.cat
     assert meta_build.TorchOnDevice is TorchOnDevice  # the meta build's stand-in is this one
+
+
+_LOAD_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    import socket
+    from contextlib import closing
+
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_fully_parallel_checkpoint_load_exchanges_its_shards_on_cpu(tmp_path):
+    """Two gloo ranks save replicated tensors with megatron's dist checkpointing and load them back the way verl
+    loads a Megatron checkpoint (``FullyParallelLoadStrategyWrapper`` over the data-parallel ranks): each rank reads
+    half of the tensors and receives the other half from the other rank. Without the patch's exchange, the
+    broadcast's ``.cuda()`` fails on CPU (checked: ``Found no NVIDIA driver``)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(_load_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + _LOAD_TIMEOUT_S
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"the two-rank load did not finish within {_LOAD_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _load_worker(rank: int, port: int, folder: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=_LOAD_TIMEOUT_S // 2))
+    try:
+        cpu_patch.apply()
+        # four tensors, each replicated on both ranks (replica_id = rank): the fully parallel load reads each once
+        saved = {f"t{i}": torch.arange(6, dtype=torch.float32) * (i + 1) for i in range(4)}
+
+        def sharded(tensors):
+            return {key: ShardedTensor.from_rank_offsets(key, value, replica_id=rank) for key, value in tensors.items()}
+
+        dist_checkpointing.save(sharded(saved), folder)
+        strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), dist.group.WORLD)
+        loaded = dist_checkpointing.load(
+            sharded({k: torch.zeros_like(v) for k, v in saved.items()}), folder, sharded_strategy=strategy
+        )
+        assert sorted(loaded) == sorted(saved)
+        for key, tensor in saved.items():
+            assert loaded[key].device.type == "cpu" and torch.equal(loaded[key], tensor), key
+    finally:
+        cpu_patch.remove()
+        dist.destroy_process_group()
