@@ -1,12 +1,10 @@
-"""verl's Megatron engine on CPU (``+device=cpu_megatron model_engine=megatron``): preset, patches, end-to-end runs.
+"""verl's Megatron engine on CPU (``+device=cpu_megatron model_engine=megatron``): the preset, its refusals, the
+patches, and the pieces of an end-to-end run one by one.
 
-The end-to-end run (R2 with expert parallel 2, ending in the run guard's stop) is a real ``python -m
-respo_verl.main_ppo`` subprocess started by tests/support/cpu_runs.py (Ray, TransferQueue, the agent loop, the hf_cpu
-rollout, verl's ``MegatronEngineWithLMHead`` with megatron-core on gloo, mbridge's weight loading and export, verl's
-naive weight sync, verl's router replay and file logger) on the tiny Qwen3-MoE of the kit. R3 end to end, and the
-non-finite stop on the Megatron engine, run with verl's vLLM server as the sampler (tests/cpu/test_cpu_vllm.py): its
-routes go through the same agent loop, alignment and padded layout as the hf_cpu server's, whose recording is checked
-against a full forward below.
+The end-to-end runs are elsewhere: R2 with expert parallel 2 (route drift, the run guard's stop, the checkpoint and
+an exact resume) in tests/cpu/test_cpu_megatron_resume.py; R3, and the non-finite stop on the Megatron engine, with
+verl's vLLM server as the sampler (tests/cpu/test_cpu_vllm.py): its routes go through the same agent loop, alignment
+and padded layout as the hf_cpu server's, whose recording is checked against a full forward below.
 """
 
 from __future__ import annotations
@@ -16,14 +14,11 @@ import re
 import pytest
 import torch
 from conftest import compose
-from support import cpu_runs
 
 from respo_verl.cpu.preset import MEGATRON_CPU_SETTINGS, CPUJobError, check_cpu_job, is_cpu_job
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
 from respo_verl.main_ppo import check
 from respo_verl.patches import mbridge_0_15_1, verl_0_9_1
-from respo_verl.run.stops import EXIT_GUARD
-from respo_verl.tools.runs.logs import STOPPED_KEY, read_log
 
 MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
 
@@ -123,6 +118,13 @@ def test_rollout_routing_replay_composes_and_passes_the_checks():
     assert cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
 
 
+@pytest.fixture(scope="module")
+def moe_kit():
+    from respo_verl.cpu.kit.build import KitSpec, build_kit
+
+    return build_kit(KitSpec(moe=True), progress=False)
+
+
 def _rollout_server(model_path, r3: bool):
     from omegaconf import OmegaConf
 
@@ -218,111 +220,6 @@ def test_megatron_settings_that_cannot_run_on_cpu_are_refused_naming_the_key(rol
         + " does not run on CPU",
     ):
         check_cpu_job(compose([*MEGATRON_JOB, f"{full_key}={other}"]))
-
-
-# --- end to end: python -m respo_verl.main_ppo on the Megatron engine ------------------------------------------------
-
-RESPO_KEYS = ("actor/respo/pos/log_w_mean", "actor/respo/neg/phi_mean", "actor/respo/starved_mass_share")
-ROUTING_KEYS = (
-    "actor/routing/flip_frac",
-    "actor/routing/overlap",
-    "actor/routing/prob_mass_delta",
-    "actor/routing/any_layer_flip_frac",
-    "actor/routing/replayed_tokens",
-    "actor/routing/flip_frac/layer_0",
-    "actor/routing/flip_frac/layer_1",
-)
-# The hf_cpu rollout (transformers, fp32) and the Megatron actor (megatron-core's local layers, fp32) score the same
-# tokens with the same synced weights: any layout error in the weight mapping, the expert fusion or the attention
-# mask shows up as a gap of order 1.
-SYNCED_LOG_PROB_GAP = 1e-3
-
-
-@pytest.fixture(scope="module")
-def moe_kit():
-    from respo_verl.cpu.kit.build import KitSpec, build_kit
-
-    return build_kit(KitSpec(moe=True), progress=False)
-
-
-def _megatron_run(tmp_path, reuse: int, steps: int, job: list[str], status: int = 0, logged: int | None = None):
-    """Run ``job`` for ``steps`` steps; it must end with exit ``status`` having logged steps 1..``logged`` (all of
-    them by default). Returns (output, each logged step's metrics)."""
-    overrides = [
-        *job,
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        f"data.train_batch_size={2 * reuse}",
-        f"trainer.total_training_steps={steps}",
-        "trainer.experiment_name=test",
-    ]
-    rc, out = cpu_runs.launch(tmp_path, cpu_runs.main_ppo(*overrides), timeout=1200)
-    assert rc == status, out[-5000:]
-    lines = cpu_runs.log_lines(tmp_path)
-    assert [line["step"] for line in lines] == list(range(1, (steps if logged is None else logged) + 1)), out[-3000:]
-    data = [line["data"] for line in lines]
-    for step in data:
-        missing = [k for k in (*RESPO_KEYS, *ROUTING_KEYS) if k not in step]
-        assert not missing, missing
-        assert step["actor/routing/replayed_tokens"] > 0
-    gaps = [step["training/rollout_probs_diff_max"] for step in data]
-    assert max(gaps) < SYNCED_LOG_PROB_GAP, gaps
-    return out, data
-
-
-# Two worker processes with expert parallel 2 on gloo: each holds 2 of the 4 experts, tokens travel between them by
-# megatron's all-to-all dispatcher, and the rollout gets the experts gathered back by mbridge's export.
-EXPERT_PARALLEL_2 = [
-    "trainer.n_gpus_per_node=2",
-    "ray_kwargs.ray_init.num_gpus=2",
-    *(f"actor_rollout_ref.{role}.megatron.expert_model_parallel_size=2" for role in ("actor", "ref")),
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-    *(f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu=4" for role in ("ref", "rollout")),
-]
-
-
-@pytest.mark.slow
-def test_megatron_engine_trains_respo_with_r2_replay_and_reports_route_drift(tmp_path, moe_kit):
-    """N = 4, two processes with expert parallel 2: updates 2..4 of a rollout batch replay π_old's routes while
-    π_θ's router has moved; the rollout/actor log-prob gap shows the experts gathered back for the rollout are right.
-
-    The first update of every rollout batch (j = 0, ``actor/routing/by_update/j0/...``) is the N = 1 case: π_θ's
-    router is π_old's, so R2 replays the live routes exactly and nothing flips (the same exact replay is checked on a
-    gloo world in tests/routing/test_megatron_routing.py, and at N = 2 on the Megatron resume test's reference run).
-
-    The run then meets a reward function that raises in step 3 (tests/support/cpu_modules/raising_reward.py): verl
-    evicts that prompt group and generates it again (training/rollout_failure/evicted_samples), the step's batch is
-    full, and only verl's count says that a reward failed. The preset's run guard (max_failed_share 0) stops the run
-    in step 3 with one line and exit 3, and the step's line, with the failure counted, is in the file log, marked as
-    the stop (the run guard's one end-to-end run: a collapsed policy takes the same path from a step's metrics,
-    ``StepGuards``, unit-tested with the clamp metric in tests/run/test_checkpoint.py).
-    """
-    fault = [
-        f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'raising_reward.py'}",
-        cpu_runs.after_steps("RAISING_REWARD_AFTER", tmp_path, 2),
-    ]
-    out, data = _megatron_run(
-        tmp_path, reuse=4, steps=4, job=[*MEGATRON_JOB, *EXPERT_PARALLEL_2, *fault], status=EXIT_GUARD, logged=3
-    )
-    flips = [step["actor/routing/flip_frac"] for step in data]  # per step: the mean over its 4 mini-batches
-    assert all(0.0 <= f <= 1.0 for f in flips) and sum(flips) > 0, flips
-    assert all(step["actor/routing/prob_mass_delta"] <= 0.0 for step in data)  # native top-k holds the most mass
-    assert any(abs(step["actor/respo/pos/log_w_mean"]) > 1e-3 for step in data)  # stale mini-batches: log W != 0
-    first = "actor/routing/by_update/j0/"
-    for step in data:
-        assert step[first + "flip_frac"] == 0.0, step
-        assert step[first + "any_layer_flip_frac"] == 0.0, step
-        assert step[first + "overlap"] == 1.0, step
-
-    assert "raising_reward: the test's reward function fails for this response" in out, out[-4000:]
-    cpu_runs.stop_line(
-        out, rf"\(run guard, exit {EXIT_GUARD}\): step 3: respo_verl/failed_share=.* > run_guard.max_failed_share=0.0"
-    )
-    # One group evicted: its n = 4 samples (the preset's n), of the 8 × 4 + 4 the step generated.
-    assert [STOPPED_KEY in step for step in data] == [False, False, True], data[-1]
-    last = data[-1]
-    assert last["training/rollout_failure/evicted_samples"] == 1.0, last
-    assert last["respo_verl/failed_samples"] == 4.0 and last["respo_verl/failed_share"] == pytest.approx(4 / 36), last
-    assert last[STOPPED_KEY] == 1.0 and read_log(tmp_path / "log.jsonl").stopped_at == 3
 
 
 def test_exported_expert_weights_become_the_rollout_models_fused_experts(moe_kit):

@@ -1,6 +1,12 @@
-"""A Megatron run that survives a stop, end to end on CPU: ``python -m respo_verl.main_ppo`` with ``+device=cpu_megatron
-model_engine=megatron routing=r2`` on the kit's tiny Qwen3-MoE (megatron-core's dist checkpointing, mbridge's HF
-export, verl's resume). Apart from test_cpu_megatron.py so that the two files run side by side on two test workers.
+"""verl's Megatron engine end to end on CPU: ``python -m respo_verl.main_ppo`` with ``+device=cpu_megatron
+model_engine=megatron routing=r2`` on the kit's tiny Qwen3-MoE, two worker processes with expert parallel 2.
+
+One uninterrupted run and its relaunch from the checkpoint of step 2 (two verl drivers) show R2's route drift, the
+run guard's stop on a failed reward, megatron-core's dist checkpointing with expert-parallel shards, mbridge's HF
+export (the experts gathered back for the rollout) and verl's resume. Each is a real subprocess started by
+tests/support/cpu_runs.py (Ray, TransferQueue, the agent loop, the hf_cpu rollout, verl's
+``MegatronEngineWithLMHead`` with megatron-core on gloo, verl's naive weight sync, router replay and file logger).
+Apart from tests/cpu/test_cpu_vllm.py so that the two heavy files run side by side on two test workers.
 """
 
 from __future__ import annotations
@@ -13,8 +19,41 @@ from support import cpu_runs
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit
 from respo_verl.run.checkpoint import TRACKER
+from respo_verl.run.stops import EXIT_GUARD
+from respo_verl.tools.runs.logs import STOPPED_KEY, read_log
 
 MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
+# Two worker processes with expert parallel 2 on gloo: each holds 2 of the 4 experts, tokens travel between them by
+# megatron's all-to-all dispatcher, and the rollout gets the experts gathered back by mbridge's export.
+EXPERT_PARALLEL_2 = [
+    "trainer.n_gpus_per_node=2",
+    "ray_kwargs.ray_init.num_gpus=2",
+    *(f"actor_rollout_ref.{role}.megatron.expert_model_parallel_size=2" for role in ("actor", "ref")),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    *(f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu=4" for role in ("ref", "rollout")),
+]
+RESPO_KEYS = ("actor/respo/pos/log_w_mean", "actor/respo/neg/phi_mean", "actor/respo/starved_mass_share")
+ROUTING_KEYS = (
+    "actor/routing/flip_frac",
+    "actor/routing/overlap",
+    "actor/routing/prob_mass_delta",
+    "actor/routing/any_layer_flip_frac",
+    "actor/routing/replayed_tokens",
+    "actor/routing/flip_frac/layer_0",
+    "actor/routing/flip_frac/layer_1",
+)
+# The hf_cpu rollout (transformers, fp32) and the Megatron actor (megatron-core's local layers, fp32) score the same
+# tokens with the same synced weights: any layout error in the weight mapping, the expert fusion or the attention
+# mask shows up as a gap of order 1.
+SYNCED_LOG_PROB_GAP = 1e-3
+PROMPTS, SAMPLES = 4, 4  # data.train_batch_size below; the preset's rollout.n
+# The step in which the raising reward strikes (tests/support/cpu_modules/raising_reward.py), the last of both runs,
+# and the prompt whose group fails: the data loader's first of that step (data.shuffle=false: step k takes rows
+# (k - 1) * PROMPTS onwards), the same group in both runs whatever order its responses are scored in.
+FAILING_STEP = 4
+FAILING_PROMPT = (FAILING_STEP - 1) * PROMPTS
+# Wall-clock figures; every other metric of a resumed run must equal the uninterrupted run's to the last bit.
+_UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
 @pytest.fixture(scope="module")
@@ -22,44 +61,94 @@ def moe_kit():
     return build_kit(KitSpec(moe=True), progress=False)
 
 
-# Wall-clock figures; every other metric of a resumed run must equal the uninterrupted run's to the last bit.
-_UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/")
+def _launch(folder) -> tuple[str, list[dict]]:
+    """4 steps of R2 at N = 2 with expert parallel 2, a checkpoint every second step, verl's full determinism, and a
+    reward function that raises in step 4 for one prompt's response; the run guard stops the run there (exit 3)."""
+    overrides = [
+        *MEGATRON_JOB,
+        *EXPERT_PARALLEL_2,
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"data.train_batch_size={PROMPTS}",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+        "trainer.experiment_name=resume",
+        f"trainer.default_local_dir={folder / 'ckpt'}",
+        "actor_rollout_ref.rollout.full_determinism=true",
+        "data.shuffle=false",
+        f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'raising_reward.py'}",
+        cpu_runs.after_steps("RAISING_REWARD_AFTER", folder, FAILING_STEP - 1),
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.RAISING_REWARD_INDEX='{FAILING_PROMPT}'",
+    ]
+    rc, out = cpu_runs.launch(folder, cpu_runs.main_ppo(*overrides), timeout=1500)
+    assert rc == EXIT_GUARD, out[-5000:]
+    assert "raising_reward: the test's reward function fails for this response" in out, out[-4000:]
+    cpu_runs.stop_line(
+        out,
+        rf"\(run guard, exit {EXIT_GUARD}\): step {FAILING_STEP}: respo_verl/failed_share=.* > "
+        r"run_guard.max_failed_share=0.0",
+    )
+    return out, cpu_runs.log_lines(folder)
 
 
 @pytest.mark.slow
-def test_megatron_checkpoints_save_on_cpu_and_a_relaunch_resumes_exactly_with_r2(tmp_path, moe_kit):
-    """megatron-core's dist-checkpointing saves on CPU (its torch.cuda.synchronize and the CUDA RNG tracker's state are
-    handled by the CPU patch); a run stopped after its checkpoint of step 2 and relaunched resumes from it, loading the
-    model, the optimizer and the RNG states (verl's own log lines say so), appends to the log, goes on replaying
-    routes, and logs steps 3 and 4 exactly as an uninterrupted run of 4 steps does (verl's rollout.full_determinism):
-    step 4's metrics come from weights that the resumed optimizer state updated.
+def test_megatron_r2_with_expert_parallel_2_drifts_stops_on_a_failed_reward_and_resumes_exactly(tmp_path, moe_kit):
+    """R2 at N = 2 on two processes with expert parallel 2, a reward that fails in step 4, and a relaunch.
 
-    The stopped run is the uninterrupted run itself, taken back to what it had on disk right after its checkpoint of
-    step 2 (that checkpoint, the tracker naming step 2, the log's lines of steps 1 and 2): one Megatron run fewer than
-    a separate 2-step run, and the same files such a run leaves (the FSDP tests in test_cpu_resume.py stop real runs
-    with SIGTERM and SIGKILL)."""
+    Route drift: the second update of each rollout batch (j = 1) replays π_old's routes while π_θ's router has moved;
+    the first (j = 0, ``actor/routing/by_update/j0/...``) is the N = 1 case, where π_θ's router is π_old's, so R2
+    replays the live routes exactly and nothing flips (the same exact replay is checked on a gloo world in
+    tests/routing/test_megatron_routing.py); a step's value is the mean of its j. The rollout/actor log-prob gap shows
+    that the experts gathered back for the rollout are right.
 
-    def launch(folder, steps: int) -> tuple[str, list[dict]]:
-        overrides = [
-            *MEGATRON_JOB,
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "data.train_batch_size=4",
-            f"trainer.total_training_steps={steps}",
-            "trainer.save_freq=2",
-            "trainer.experiment_name=resume",
-            f"trainer.default_local_dir={folder / 'ckpt'}",
-            "actor_rollout_ref.rollout.full_determinism=true",
-        ]
-        rc, out = cpu_runs.launch(folder, cpu_runs.main_ppo(*overrides), timeout=1200)
-        assert rc == 0, out[-5000:]
-        return out, cpu_runs.log_lines(folder)
+    The stop: in step 4 the reward function raises for a response to the step's first prompt
+    (tests/support/cpu_modules/raising_reward.py); verl evicts that prompt group and fills its place with a fresh
+    prompt (training/rollout_failure/evicted_samples), the step's batch is full, and only verl's count says that a
+    reward failed. The preset's run guard (max_failed_share 0) stops the run in step 4 with one line and exit 3, and
+    the step's line, with the failure counted, is in the file log, marked as the stop (the run guard's one end-to-end
+    run: a collapsed policy takes the same path from a step's metrics, ``StepGuards``, unit-tested with the clamp
+    metric in tests/run/test_checkpoint.py).
 
+    The resume: megatron-core's dist checkpointing saves each process's expert shards on CPU (its
+    torch.cuda.synchronize and the CUDA RNG tracker's state are handled by the CPU patch); a run stopped after its
+    checkpoint of step 2 and relaunched resumes from it, loading the model, the optimizer and the RNG states (verl's
+    own log lines say so), appends to the log, goes on replaying routes, and logs steps 3 and 4, the stop included,
+    exactly as the uninterrupted run does (verl's rollout.full_determinism): step 4's metrics come from weights that
+    the resumed optimizer state updated. The stopped run is the uninterrupted run itself, taken back to what it had
+    on disk right after its checkpoint of step 2 (that checkpoint, the tracker naming step 2, the log's lines of
+    steps 1 and 2): one Megatron run fewer than a separate 2-step run, and the same files such a run leaves (the FSDP
+    tests in test_cpu_resume.py stop real runs with SIGTERM and SIGKILL).
+    """
     run = tmp_path / "run"
-    _, reference = launch(run, 4)
-    # R2 at N = 2: the drift of each update index j on its own (j = 0 replays π_old's own routes), and their mean.
-    for line in reference:
-        per_j = [line["data"].get(f"actor/routing/by_update/j{j}/flip_frac") for j in range(3)]
-        assert per_j[0] == 0.0 and per_j[2] is None and line["data"]["actor/routing/flip_frac"] == per_j[1] / 2, line
+    out, reference = _launch(run)
+    assert [line["step"] for line in reference] == list(range(1, FAILING_STEP + 1)), out[-3000:]
+    data = [line["data"] for line in reference]
+    for step in data:
+        missing = [k for k in (*RESPO_KEYS, *ROUTING_KEYS) if k not in step]
+        assert not missing, missing
+        assert step["actor/routing/replayed_tokens"] > 0
+    gaps = [step["training/rollout_probs_diff_max"] for step in data]
+    assert max(gaps) < SYNCED_LOG_PROB_GAP, gaps
+
+    flips = [step["actor/routing/flip_frac"] for step in data]  # per step: the mean over its 2 mini-batches
+    assert all(0.0 <= f <= 1.0 for f in flips) and sum(flips) > 0, flips
+    assert all(step["actor/routing/prob_mass_delta"] <= 0.0 for step in data)  # native top-k holds the most mass
+    assert any(abs(step["actor/respo/pos/log_w_mean"]) > 1e-3 for step in data)  # stale mini-batches: log W != 0
+    first = "actor/routing/by_update/j0/"
+    for step in data:
+        per_j = [step.get(f"actor/routing/by_update/j{j}/flip_frac") for j in range(3)]
+        assert step[first + "flip_frac"] == 0.0, step
+        assert step[first + "any_layer_flip_frac"] == 0.0, step
+        assert step[first + "overlap"] == 1.0, step
+        assert per_j[2] is None and step["actor/routing/flip_frac"] == per_j[1] / 2, step
+
+    # One group evicted: its n = 4 samples, of the 4 × 4 + 4 the step generated.
+    assert [STOPPED_KEY in step for step in data] == [False, False, False, True], data[-1]
+    last = data[-1]
+    assert last["training/rollout_failure/evicted_samples"] == 1.0, last
+    assert last["respo_verl/failed_samples"] == SAMPLES, last
+    assert last["respo_verl/failed_share"] == pytest.approx(SAMPLES / (PROMPTS * SAMPLES + SAMPLES)), last
+    assert last[STOPPED_KEY] == 1.0 and read_log(run / "log.jsonl").stopped_at == FAILING_STEP
+
     assert (run / "ckpt" / "global_step_2" / "actor" / "optimizer").is_dir()
     # Back to the moment after step 2's checkpoint: global_step_4 and the log's steps 3 and 4 were not written yet.
     assert (run / "ckpt" / TRACKER).read_text().strip() == "4"
@@ -68,7 +157,7 @@ def test_megatron_checkpoints_save_on_cpu_and_a_relaunch_resumes_exactly_with_r2
     log = run / "log.jsonl"
     log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:2]))
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
-    out, lines = launch(run, 4)
+    out, lines = _launch(run)
     assert "Resuming from" in out and "global_step_2" in out, out[-5000:]
     # The model comes back through the bridge's HF export (verl's choice with mbridge), or as its dist checkpoint.
     assert "Loaded HF model checkpoint" in out or "Loaded sharded model checkpoint" in out, out[-5000:]
