@@ -11,8 +11,9 @@ The same run's rollout server never receives the trainer's weights, at N = 1: th
 negative controls of the weight-sync and log W checks that every other run passes (tests/support/trainer_checks.py),
 and the agreement guard, set to warn, warns in each of them. An agent-loop worker that dies is found by the same watch
 (``check_actors_alive`` over ``watched_actors``) on its periodic check: tests/run/test_liveness.py kills a real Ray
-actor under it. The run guard's stop (a reward function that raises) ends the Megatron runs, the stop on non-finite
-log-probabilities the vLLM R3 run, and the stops of runs that would hang are in test_cpu_hangs.py.
+actor under it. The run guard's stop (a reward function that raises) ends the Megatron runs of
+test_cpu_megatron_resume.py, the stop on non-finite log-probabilities the vLLM R3 run, and the stops of runs that
+would hang are in test_cpu_hangs.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ One run here: verl's own entry point, trained once in the suite (the loss chosen
 trainer). ReSPO through our entry point with rollout reuse is checked on the uninterrupted reference run of
 test_cpu_resume.py, VESPO through the trainer on the demo's real sweep (test_demo.py), the negative controls of the
 weight sync and of log W on the stale-server run of test_cpu_stops.py, and the stop on non-finite log-probabilities at
-the end of the R3 run of test_cpu_megatron.py.
+the end of the vLLM R3 run of test_cpu_vllm.py.
 """
 
 from __future__ import annotations
