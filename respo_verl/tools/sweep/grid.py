@@ -41,6 +41,19 @@ CHECKPOINT_KEY = "trainer.default_local_dir"
 PER_RUN_KEYS = (*SEED_KEYS, *ENGINE_SEED_KEYS.values(), "trainer.experiment_name", CHECKPOINT_KEY)
 # The keys N sets (see run_overrides).
 REUSE_KEYS = ("data.train_batch_size", "trainer.total_training_steps")
+# The keys every run's own overrides set after the shared ones, with what sets them: Hydra keeps the last value, so
+# the same key among the shared overrides would be dropped without a word; it is refused instead.
+SWEPT_KEYS = {
+    "algorithm": "--algos",
+    "data.train_batch_size": "--mini-batch x N",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "--mini-batch",
+    "actor_rollout_ref.actor.ppo_epochs": "one epoch per rollout batch, the protocol's",
+    "trainer.total_training_steps": "--optimizer-steps / N",
+    "trainer.project_name": "--project",
+    "trainer.experiment_name": "the run's name",
+    "trainer.logger": "[console,file]: the report reads verl's file log",
+    **{key: "--seeds" for key in (*SEED_KEYS, *ENGINE_SEED_KEYS.values())},
+}
 ROUTING_MODES = ("off", "r2", "r3")
 
 
@@ -88,6 +101,17 @@ class SweepSpec:
                 f"{CHECKPOINT_KEY} is set per run by the sweep (<checkpoint root>/<run name>, so that a run resumes "
                 "from its own checkpoints only): choose the root with --checkpoints DIR instead"
             )
+        swept = dict(SWEPT_KEYS)
+        if self.preset:
+            swept["cluster"] = "--preset"
+        if self.routing:
+            swept["routing"] = "--routing"
+        for override in self.base_overrides:
+            if _key(override) in swept:
+                raise ValueError(
+                    f"{override}: {_key(override)} is set per run by the sweep ({swept[_key(override)]}); "
+                    "drop it from the shared overrides"
+                )
         unknown = sorted(set(self.algorithms) - set(ALGORITHMS))
         if unknown:
             raise ValueError(f"unknown algorithm(s) {unknown}; choose from {list(ALGORITHMS)}")

@@ -221,6 +221,30 @@ def test_checkpoint_folders_are_per_run_and_set_by_the_sweep_only(tmp_path, caps
     )
 
 
+@pytest.mark.parametrize(
+    ("override", "told"),
+    [
+        ("data.train_batch_size=8", "--mini-batch x N"),
+        ("trainer.total_training_steps=5", "--optimizer-steps / N"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=4", "--mini-batch"),
+        ("trainer.logger=[console,wandb]", "[console,file]: the report reads verl's file log"),
+        ("+algorithm=vespo", "--algos"),
+        ("actor_rollout_ref.actor.fsdp_config.seed=3", "--seeds"),
+        ("routing=r2", "--routing"),
+    ],
+)
+def test_a_shared_override_of_a_key_each_run_sets_is_refused_naming_what_sets_it(tmp_path, capsys, override, told):
+    """Each run's own overrides come after the shared ones, and Hydra keeps the last value: without the refusal the
+    shared value would be dropped without a word."""
+    argv = [*SMALL_GRID, "--no-compose", "--routing", "r3", "--out", str(tmp_path / "out")]
+    assert cli_main([*argv, "--", override]) == 2
+    key = override.split("=", 1)[0].lstrip("+")
+    assert capsys.readouterr().err.strip() == (
+        f"respo-verl sweep: {override}: {key} is set per run by the sweep ({told}); drop it from the shared overrides"
+    )
+    assert not (tmp_path / "out" / "manifest.jsonl").exists()
+
+
 def test_a_reused_out_with_other_settings_or_another_grid_is_refused_in_one_line(tmp_path, capsys):
     out = tmp_path / "out"
     argv = [*SMALL_GRID, "--out", str(out), "--", "actor_rollout_ref.model.path=/m"]
