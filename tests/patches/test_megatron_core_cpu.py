@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from support.ranks import free_port, run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -87,36 +88,13 @@ def test_the_torch_stand_in_moves_cuda_factories_only(device):
 _LOAD_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    import socket
-    from contextlib import closing
-
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_fully_parallel_checkpoint_load_exchanges_its_shards_on_cpu(tmp_path):
     """Two gloo ranks save replicated tensors with megatron's dist checkpointing and load them back the way verl
     loads a Megatron checkpoint (``FullyParallelLoadStrategyWrapper`` over the data-parallel ranks): each rank reads
     half of the tensors and receives the other half from the other rank. Without the patch's exchange, the
     broadcast's ``.cuda()`` fails on CPU (checked: ``Found no NVIDIA driver``)."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    context = mp.spawn(_load_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + _LOAD_TIMEOUT_S
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the two-rank load did not finish within {_LOAD_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    run_ranks(_load_worker, (free_port(), str(tmp_path)), 2, _LOAD_TIMEOUT_S, "the two-rank load")
 
 
 def _load_worker(rank: int, port: int, folder: str) -> None:

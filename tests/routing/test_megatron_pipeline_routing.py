@@ -43,12 +43,10 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
-import time
-from contextlib import closing
 
 import pytest
 import torch
+from support.ranks import free_port, run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -64,28 +62,9 @@ TIMEOUT_S = 120
 _GPT_KWARGS = dict(share_embeddings_and_output_weights=False)
 
 
-def _free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_pipeline_stages_report_global_layers_and_reduce_consistently():
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    context = mp.spawn(_worker, args=(port,), nprocs=PP, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"two-rank pipeline test did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    run_ranks(_worker, (free_port(),), PP, TIMEOUT_S, "two-rank pipeline test")
 
 
 # -- one rank ---------------------------------------------------------------------------------------------------
@@ -389,20 +368,7 @@ def test_virtual_pipeline_stages_count_each_micro_batch_once_in_the_interleaved_
     different number of tokens in the last layer: the stage that holds it counts every micro-batch once (replayed
     tokens: the sum of the four sizes) and reports exactly the flips summed over the tokens summed, in that layer and
     in ``any_layer_flip_frac``, and 0 in every other layer; the other stage reports zero drift."""
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    context = mp.spawn(_vpp_worker, args=(port,), nprocs=PP, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"two-rank virtual-pipeline test did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    run_ranks(_vpp_worker, (free_port(),), PP, TIMEOUT_S, "two-rank virtual-pipeline test")
 
 
 def _vpp_worker(rank: int, port: int) -> None:

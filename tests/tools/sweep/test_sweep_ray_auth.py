@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from support import ray_auth
+from support.ranks import free_port
 
 from respo_verl.run.reaper import reap
 from respo_verl.tools.sweep.runner import ClusterError, auth_headers, connect, ray_token
@@ -35,18 +35,12 @@ def test_the_token_is_found_where_ray_looks_for_it(tmp_path, monkeypatch):
         ray_token({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "none")})
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_head_with_token_auth_answers_the_sweeps_client_only_with_the_token(tmp_path, monkeypatch):
     temp = tempfile.mkdtemp(prefix="rva-", dir="/tmp")  # Ray's socket paths must stay short
-    dashboard = _free_port()
+    dashboard = free_port()
     command = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={_free_port()}",
+        str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={free_port()}",
         f"--dashboard-port={dashboard}", "--include-dashboard=true", "--num-cpus=1", f"--temp-dir={temp}",
         "--disable-usage-stats",
     ]  # fmt: skip
