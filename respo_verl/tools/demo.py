@@ -81,16 +81,14 @@ def log_path(out: Path, experiment: str) -> Path:
     return root / PROJECT / f"{experiment}.jsonl"
 
 
-def command(
-    algorithm: str, reuse: int, steps: int, experiment: str, overrides: list[str], task: str | None = None
-) -> list[str]:
+def command(algorithm: str, reuse: int, steps: int, experiment: str, overrides: list[str]) -> list[str]:
+    """The ``--quick`` run's ``python -m respo_verl.main_ppo`` line (the regime demo's runs are the sweep's)."""
     return [
         sys.executable,
         "-m",
         "respo_verl.main_ppo",
         f"algorithm={algorithm}",
         "+device=cpu",
-        *([f"+task={task}"] if task else []),
         f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI_BATCH_PROMPTS}",
         f"data.train_batch_size={reuse * MINI_BATCH_PROMPTS}",
         f"actor_rollout_ref.rollout.n={SAMPLES_PER_PROMPT}",
