@@ -300,6 +300,7 @@ def _appending_file_logger(file_logger_cls: type) -> type:
                 root = os.path.expanduser(os.getenv("VERL_FILE_LOGGER_ROOT", "."))
                 os.makedirs(os.path.join(root, project_name), exist_ok=True)
                 self.filepath = os.path.join(root, project_name, f"{experiment_name}.jsonl")
+            os.makedirs(os.path.dirname(os.path.abspath(self.filepath)), exist_ok=True)  # a fresh sweep's logs/
             attempts, cut = 0, False
             if os.path.isfile(self.filepath) and os.path.getsize(self.filepath) > 0:
                 with open(self.filepath, "rb") as fh:

@@ -85,6 +85,9 @@ def submit_runs(records: list[RunRecord], out_dir: Path, client) -> tuple[list[O
                 Outcome(record.name, Status.SUBMITTED, f"already {_status(job)} as job {job.submission_id}")
             )
             continue
+        # The job's file logger appends to <out>/logs/<run>.jsonl: its folder exists before the job starts, on a
+        # fresh --out too (the logger also makes it, on whichever node the driver runs).
+        output_path(record, out_dir).parent.mkdir(parents=True, exist_ok=True)
         wanted = submission_id(record, out_dir, len(jobs) + 1)
         try:
             job_id = _submit(
