@@ -3,6 +3,7 @@
 # then the example script on the head with RAY_ADDRESS=auto (verl's main_ppo then joins this cluster).
 #   scripts/launch/ray_cluster.sh head                # prints the address workers join
 #   scripts/launch/ray_cluster.sh worker 10.0.0.1
+#   NODE_IP=127.0.0.2 scripts/launch/ray_cluster.sh worker 127.0.0.1 --node-manager-port=6380  # a 2nd node, 1 host
 #   scripts/launch/ray_cluster.sh token               # makes the cluster's token if there is none; prints its file
 #   scripts/launch/ray_cluster.sh stop
 # Ray's token auth is always on (RAY_AUTH_MODE=token; docs/cluster.md, "Security"): every node, job and client needs
@@ -10,11 +11,18 @@
 # shared home gives every node). `head` and `token` make that file, readable by its owner only, when it is missing;
 # `worker` refuses to start without it. The dashboard (Ray's Jobs API, which runs any command it is sent) listens on
 # DASHBOARD_HOST: 127.0.0.1 by default (reach it through an SSH tunnel), or the head's cluster address if you set it.
-# Knobs: RAY_PORT (6379), NUM_GPUS (8), DASHBOARD_HOST (127.0.0.1), DASHBOARD_PORT (8265), RAY_TMPDIR (/tmp/ray),
-# RAY_AUTH_TOKEN_PATH (~/.ray/auth_token), DRY_RUN=1 prints only (and makes no token).
+# Knobs: RAY_PORT (6379), NUM_GPUS (8), NUM_CPUS (Ray's count of this node's CPUs), NODE_IP (the address Ray picks),
+# DASHBOARD_HOST (127.0.0.1), DASHBOARD_PORT (8265), RAY_TMPDIR (/tmp/ray), RAY_AUTH_TOKEN_PATH (~/.ray/auth_token),
+# DRY_RUN=1 prints only (and makes no token). Further arguments of `head` and `worker` go to `ray start` unchanged
+# (its own ports for a second node on one host: docs/cluster.md, "Two nodes on one host").
+# verl asks 3 logical CPUs per GPU slot (one placement bundle each): `head` and `worker` refuse a node with fewer,
+# where verl's placement would wait for ever. Ray's CPUs are logical: NUM_CPUS may exceed the cores.
 set -euo pipefail
 RAY_PORT=${RAY_PORT:-6379}
 NUM_GPUS=${NUM_GPUS:-8}
+NUM_CPUS=${NUM_CPUS:-}
+NODE_IP=${NODE_IP:-}
+CPUS_PER_GPU=3  # verl's bundle: {"CPU": 3, "GPU": 1} per GPU slot (max_colocate_count)
 DASHBOARD_HOST=${DASHBOARD_HOST:-127.0.0.1}
 DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
 RAY_TMPDIR=${RAY_TMPDIR:-/tmp/ray}
@@ -52,24 +60,41 @@ ensure_token() {
   check_token
 }
 
+# The node's own options: its CPUs (checked against its GPU slots) and its address.
+node_options() {
+  local cpus=${NUM_CPUS:-$(nproc)} what="NUM_CPUS=$NUM_CPUS"
+  if [[ -z "$NUM_CPUS" ]]; then what="the node's $cpus CPUs (nproc; NUM_CPUS unset)"; fi
+  [[ "$NUM_GPUS" =~ ^[0-9]+$ ]] || die "NUM_GPUS must be a whole number (got '$NUM_GPUS')"
+  [[ "$cpus" =~ ^[0-9]+$ ]] || die "NUM_CPUS must be a whole number (got '$cpus')"
+  (( cpus >= CPUS_PER_GPU * NUM_GPUS )) ||
+    die "$what for NUM_GPUS=$NUM_GPUS: verl's placement asks $CPUS_PER_GPU logical" \
+      "CPUs per GPU slot and would wait for ever; set NUM_CPUS to at least $((CPUS_PER_GPU * NUM_GPUS))" \
+      "(logical CPUs: more than the cores is fine)"
+  NODE_OPTIONS=(--num-gpus="$NUM_GPUS")
+  if [[ -n "$NUM_CPUS" ]]; then NODE_OPTIONS+=(--num-cpus="$NUM_CPUS"); fi
+  if [[ -n "$NODE_IP" ]]; then NODE_OPTIONS+=(--node-ip-address="$NODE_IP"); fi
+}
+
 case "${1:-}" in
   token)
     ensure_token
     echo "$RAY_AUTH_TOKEN_PATH"
     ;;
   head)
+    node_options
     ensure_token
     # The package must be importable on every node: the presets make verl import respo_verl.verl.plugin there.
     run python3 -c "import respo_verl.verl.plugin"
-    run ray start --head --port="$RAY_PORT" --num-gpus="$NUM_GPUS" --dashboard-host="$DASHBOARD_HOST" \
-      --dashboard-port="$DASHBOARD_PORT" --temp-dir="$RAY_TMPDIR"
+    run ray start --head --port="$RAY_PORT" "${NODE_OPTIONS[@]}" --dashboard-host="$DASHBOARD_HOST" \
+      --dashboard-port="$DASHBOARD_PORT" --temp-dir="$RAY_TMPDIR" "${@:2}"
     ;;
   worker)
-    HEAD_IP=${2:?usage: $0 worker HEAD_IP}
+    HEAD_IP=${2:?usage: $0 worker HEAD_IP [ray start options]}
+    node_options
     if [[ "$DRY_RUN" != 1 ]]; then check_token; fi
     run python3 -c "import respo_verl.verl.plugin"
-    run ray start --address="$HEAD_IP:$RAY_PORT" --num-gpus="$NUM_GPUS" --block
+    run ray start --address="$HEAD_IP:$RAY_PORT" "${NODE_OPTIONS[@]}" --block "${@:3}"
     ;;
   stop) run ray stop ;;
-  *) echo "usage: $0 head | worker HEAD_IP | token | stop" >&2; exit 2 ;;
+  *) echo "usage: $0 head [ray start options] | worker HEAD_IP [ray start options] | token | stop" >&2; exit 2 ;;
 esac

@@ -1,8 +1,10 @@
-"""scripts/launch/ray_cluster.sh starts Ray with token auth and a dashboard that is not open to the network.
+"""scripts/launch/ray_cluster.sh starts Ray with token auth and a dashboard that is not open to the network, with the
+node's knobs (address, CPUs checked against GPU slots) and ``ray start`` options passed through.
 
 Real: bash running the script, the token file it makes, its checks. Faked, because starting a real cluster is not
 what is tested here (and takes a minute): ``ray`` and ``python3`` on PATH are stand-ins that record their arguments
-and the environment Ray would read its auth settings from.
+and the environment Ray would read its auth settings from. The script with the real ``ray``, a head and a worker on
+one host, is tested in tests/cpu/test_two_nodes.py.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedPr
         "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
         "CALLS": str(calls),
         "HOME": str(tmp_path),
+        "NUM_CPUS": "64",  # 8 GPU slots (the default) need 24 (verl's 3 per slot); this machine may have 2 cores
     }
     res = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env={**full, **env}, timeout=60)
     return res, calls.read_text().splitlines() if calls.is_file() else []
@@ -93,3 +96,43 @@ def test_a_dry_run_makes_no_token(tmp_path):
     assert res.returncode == 0, res.stderr
     assert not (tmp_path / ".ray").exists() and not calls
     assert "--dashboard-host=127.0.0.1" in res.stdout
+
+
+def test_the_nodes_address_cpus_and_further_options_reach_ray_start(tmp_path):
+    res, calls = _run(tmp_path, "head", "--disable-usage-stats", NUM_GPUS="1", NUM_CPUS="8", NODE_IP="127.0.0.1")
+    assert res.returncode == 0, res.stderr
+    head = _ray_start(calls).split(" | ")[0]
+    assert head.startswith("ray start --head --port=6379 --num-gpus=1 --num-cpus=8 --node-ip-address=127.0.0.1 ")
+    assert head.endswith(" --temp-dir=/tmp/ray --disable-usage-stats"), head
+    token = tmp_path / ".ray" / "auth_token"
+    (tmp_path / "calls.log").unlink()
+    options = ("--node-manager-port=6380", "--labels=a b")  # passed on unchanged, spaces included
+    res, calls = _run(tmp_path, "worker", "127.0.0.1", *options, NUM_GPUS="1", NUM_CPUS="3", NODE_IP="127.0.0.2")
+    assert res.returncode == 0, res.stderr
+    assert _ray_start(calls) == (
+        "ray start --address=127.0.0.1:6379 --num-gpus=1 --num-cpus=3 --node-ip-address=127.0.0.2 --block "
+        f"--node-manager-port=6380 --labels=a b | mode=token path={token} token="
+    )
+    (tmp_path / "calls.log").unlink()
+    res, calls = _run(tmp_path, "head", NUM_GPUS="0", NUM_CPUS="")  # unset: Ray counts the CPUs, no option
+    assert res.returncode == 0, res.stderr
+    assert "--num-cpus" not in "".join(calls) and "--node-ip-address" not in "".join(calls)
+
+
+@pytest.mark.parametrize("role", [("head",), ("worker", "10.0.0.1")])
+def test_a_node_with_fewer_than_3_cpus_per_gpu_slot_is_refused_in_one_line(tmp_path, role):
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("f" * 64 + "\n")
+    token.chmod(0o600)
+    res, calls = _run(tmp_path, *role, NUM_GPUS="2", NUM_CPUS="5")
+    assert res.returncode == 2 and not calls, res.stderr
+    assert res.stderr.strip() == (
+        "ray_cluster.sh: NUM_CPUS=5 for NUM_GPUS=2: verl's placement asks 3 logical CPUs per GPU slot and would wait "
+        "for ever; set NUM_CPUS to at least 6 (logical CPUs: more than the cores is fine)"
+    )
+    res, calls = _run(tmp_path, *role, NUM_GPUS="2", NUM_CPUS="6")
+    calls = [c for c in calls if "--num-cpus=6" in c]
+    assert res.returncode == 0 and "--num-cpus=6" in _ray_start(calls), res.stderr
+    res, calls = _run(tmp_path, *role, NUM_GPUS="2", NUM_CPUS="six")
+    assert res.returncode == 2 and res.stderr.strip() == "ray_cluster.sh: NUM_CPUS must be a whole number (got 'six')"

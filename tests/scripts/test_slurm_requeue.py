@@ -81,6 +81,8 @@ def _start(tmp_path: Path, run_ends: str, ray_wait: int = 0) -> tuple[subprocess
         "FAKE_SLURM_LOG": str(slurm_log),
         "RUN_LOG": str(run_log),
         "RUN_ENDS": run_ends,
+        "SLURM_CPUS_PER_TASK": "64",  # Slurm's --cpus-per-task: NUM_CPUS of every node
+        "RAY_START_ARGS": "--disable-usage-stats --labels=x",
     }
     proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, slurm_log, run_log
@@ -114,10 +116,16 @@ def test_sigterm_is_forwarded_the_script_waits_for_the_run_and_requeues(tmp_path
     # the planner ran for the allocation, Ray's head and worker were started on their nodes, the run on the head
     assert "OK: every rule holds" in out
     assert (
-        "srun --nodes=1 --ntasks=1 -w node1 env RAY_PORT=6379 NUM_GPUS=8 bash scripts/launch/ray_cluster.sh head"
-        in calls
+        "srun --nodes=1 --ntasks=1 -w node1 env RAY_PORT=6379 NUM_GPUS=8 NUM_CPUS=64 NODE_IP=127.0.0.1 "
+        "bash scripts/launch/ray_cluster.sh head --disable-usage-stats --labels=x" in calls
     )
-    assert any(c.startswith("srun --nodes=1 --ntasks=1 -w node2") and c.endswith("worker 127.0.0.1") for c in calls)
+    assert (
+        "srun --nodes=1 --ntasks=1 -w node2 env RAY_PORT=6379 NUM_GPUS=8 NUM_CPUS=64 "
+        "bash scripts/launch/ray_cluster.sh worker 127.0.0.1 --disable-usage-stats --labels=x" in calls
+    )
+    # ray_cluster.sh's dry run: the ray start each node would run, with the knobs
+    assert "ray start --head --port=6379 --num-gpus=8 --num-cpus=64 --node-ip-address=127.0.0.1 " in out, out
+    assert "--num-cpus=64 --block --disable-usage-stats --labels=x" in out, out
     assert f"srun --overlap --nodes=1 --ntasks=1 -w node1 bash {tmp_path / 'run.sh'} trainer.nnodes=2" in calls
 
 
