@@ -7,7 +7,6 @@ RMSNorm, SwiGLU MLPs with gate, up and down projections).
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,14 +227,6 @@ def shape_from_hf_config(path: str | Path) -> ModelShape:
     return shape
 
 
-def _hub_cache() -> Path:
-    """The local Hugging Face hub cache, as huggingface_hub finds it (``HF_HUB_CACHE``, ``HF_HOME``, XDG, home)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
-    return Path(home).expanduser() / "hub"
-
-
 def local_model_config(model_path: str) -> Path | None:
     """The ``config.json`` of a job's ``actor_rollout_ref.model.path`` where it is on this machine, else None.
 
@@ -247,9 +238,7 @@ def local_model_config(model_path: str) -> Path | None:
         return folder / "config.json" if (folder / "config.json").is_file() else None
     if not HUB_ID.match(model_path):
         return None
-    repo = _hub_cache() / f"models--{model_path.replace('/', '--')}"
-    ref = repo / "refs" / "main"
-    if not ref.is_file():
-        return None
-    config = repo / "snapshots" / ref.read_text().strip() / "config.json"
-    return config if config.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(model_path, "config.json")
+    return Path(found) if isinstance(found, str) else None  # None, or a marker that the hub has no such file

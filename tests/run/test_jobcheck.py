@@ -213,15 +213,17 @@ def test_a_broken_layout_is_refused_naming_each_rule(tmp_path, overrides, withou
 
 
 def test_a_hub_id_is_read_from_the_local_hugging_face_cache_only(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
     from respo_verl.layout.models import local_model_config
 
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read when the module is imported
     assert local_model_config("Qwen/Qwen3-30B-A3B") is None  # not cached: nothing is downloaded
     snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-30B-A3B" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text((_model_folder(tmp_path, "qwen3_30b_a3b") / "config.json").read_text())
     (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("abc123\n")
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")  # as the hub writes it: no newline
     assert local_model_config("Qwen/Qwen3-30B-A3B") == snapshot / "config.json"
     job = compose_job(
         "respo",
