@@ -10,20 +10,20 @@ ended with it stays until it notices.
 
 :func:`watch_driver` starts the reaper, ``python -m respo_verl.run.reaper``, in a session of its own (a kill of the
 driver's process group does not reach it). While the driver lives, the reaper records the driver's descendants
-every :data:`SCAN_INTERVAL_S` seconds, each by pid and start time (a pid the kernel has reused is never taken for
-one recorded). Once the driver has ended, it stops what is left of that cluster: the recorded processes still
-alive, every process whose command line names the session's folder, and all their descendants; SIGTERM first, then
-SIGKILL after :data:`TERM_GRACE_S`. Bound: every such process is gone :data:`REAP_BOUND_S` seconds after the
-driver's exit at the latest (worst case by construction: :data:`DEATH_POLL_S` + :data:`TERM_GRACE_S` +
-:data:`KILL_WAIT_S`). It never touches a cluster the driver connected to through an address (the entry point does
-not start it then) nor anything outside the driver's process tree and the session's folder, and never a process of
-another user: every target runs under the reaper's own uid. A process found only through the session's folder on
-its command line is left alone when it is a shell or holds a terminal (:func:`strange_by_folder`: a user's
-``less`` of a Ray log, an editor).
+every :data:`SCAN_INTERVAL_S` seconds, each as a ``psutil.Process`` (its pid with its creation time: a pid the
+kernel has reused is never taken for one recorded). Once the driver has ended, it stops what is left of that
+cluster: the recorded processes still alive, every process whose command line names the session's folder, and all
+their descendants; SIGTERM first, then SIGKILL after :data:`TERM_GRACE_S`. Bound: every such process is gone
+:data:`REAP_BOUND_S` seconds after the driver's exit at the latest (worst case by construction: :data:`DEATH_POLL_S`
++ :data:`TERM_GRACE_S` + :data:`KILL_WAIT_S`). It never touches a cluster the driver connected to through an address
+(the entry point does not start it then) nor anything outside the driver's process tree and the session's folder,
+and never a process of another user: every target runs under the reaper's own uid. A process found only through the
+session's folder on its command line is left alone when it is a shell or holds a terminal (:func:`strange_by_folder`:
+a user's ``less`` of a Ray log, an editor).
 Signals go through a pidfd (Linux 5.3 and later) opened while the process is checked to be the one recorded, so a
-pid the kernel reuses meanwhile is never signalled; elsewhere through the pid, checked just before.
+pid the kernel reuses meanwhile is never signalled; elsewhere through psutil, which checks just before.
 
-Linux only (it reads ``/proc``); stdlib only, so that the reaper starts in a fraction of a second.
+Linux only (the terminal's foreground group is read from ``/proc``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
+
+import psutil
 
 # How often the reaper checks whether the driver is still there: the first term of the bound.
 DEATH_POLL_S = 0.25
@@ -48,183 +50,163 @@ TERM_GRACE_S = 3.0
 KILL_WAIT_S = 5.0
 # The promise: no process of the session is left this many seconds after the driver's exit.
 REAP_BOUND_S = 10.0
-_PROC = Path("/proc")
-
 
 # Never stopped because their command line names the session folder: a user looking at a Ray log from a shell.
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})
 
 
-@dataclass(frozen=True)
-class Proc:
-    """One process as ``/proc/<pid>/stat`` shows it."""
-
-    pid: int
-    ppid: int
-    start: int  # clock ticks after boot: with the pid, identifies a process for its lifetime
-    state: str  # "Z": a zombie, already ended
-    uid: int = -1  # the owner of /proc/<pid>: the process's effective uid
-    tty: int = 0  # its controlling terminal's device number, 0 for none
-    comm: str = ""  # its command name (at most 15 characters)
-    pgrp: int = 0
-    session: int = 0
-    tpgid: int = -1  # the terminal's foreground process group, -1 without a terminal
-
-
-def _read_stat(pid: int) -> Proc | None:
+def running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs: not ended, not a zombie, its pid not reused by another process."""
     try:
-        text = (_PROC / str(pid) / "stat").read_text()
-        uid = (_PROC / str(pid)).stat().st_uid
-    except OSError:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def find(pid: int, created: float | None = None) -> psutil.Process | None:
+    """The running process ``pid`` (created at ``created``, when given), or None."""
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
         return None
-    # The command name (field 2) is in parentheses and may contain spaces and parentheses: split after the last ")".
-    head, _, tail = text.rpartition(")")
-    rest = tail.split()
-    comm = head.partition("(")[2]
-    return Proc(
-        pid=pid,
-        ppid=int(rest[1]),
-        start=int(rest[19]),
-        state=rest[0],
-        uid=uid,
-        tty=int(rest[4]),
-        comm=comm,
-        pgrp=int(rest[2]),
-        session=int(rest[3]),
-        tpgid=int(rest[5]),
-    )
+    if created is not None and proc.create_time() != created:
+        return None
+    return proc if running(proc) else None
 
 
-def process_table() -> dict[int, Proc]:
-    """Every process this user can see, by pid."""
-    table = {}
-    for entry in _PROC.iterdir():
-        if entry.name.isdigit() and (proc := _read_stat(int(entry.name))) is not None:
-            table[proc.pid] = proc
-    return table
+def _owned(proc: psutil.Process) -> bool:
+    try:
+        return proc.uids().effective == os.geteuid()
+    except psutil.Error:
+        return False
 
 
-def strange_by_folder(proc: Proc) -> bool:
+def _terminal(pid: int) -> tuple[int, int]:
+    """The process's controlling terminal (0: none) and that terminal's foreground process group (-1: none)."""
+    # psutil reads neither number (its terminal() finds a name in /dev, which a container may not have): fields 7
+    # and 8 of /proc/<pid>/stat, after the command name in parentheses.
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return int(fields[4]), int(fields[5])
+    except (OSError, ValueError, IndexError):
+        return 0, -1
+
+
+def strange_by_folder(proc: psutil.Process) -> bool:
     """Whether a process whose command line names the session folder is still not the cluster's: a shell, or one
     that holds a terminal (the leader of a terminal's session, or a process in its foreground, what a user looks
     at). Ray's processes of a driver started at a terminal share that terminal, but not its foreground once the
-    driver has ended."""
-    holds_terminal = proc.tty != 0 and (proc.session == proc.pid or proc.tpgid == proc.pgrp)
-    return holds_terminal or proc.comm in SHELLS
-
-
-def descendants(roots: set[int], table: dict[int, Proc]) -> set[int]:
-    """The pids below ``roots`` in ``table`` (the roots not included)."""
-    children: dict[int, list[int]] = {}
-    for proc in table.values():
-        children.setdefault(proc.ppid, []).append(proc.pid)
-    found, stack = set(), list(roots)
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            if child not in found and child not in roots:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def names_folder(pid: int, folder: str) -> bool:
-    """Whether an argument of ``pid``'s command line is ``folder``, ends in ``=folder`` or lies inside it."""
+    driver has ended. A process that cannot be read is left alone too."""
     try:
-        args = (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
-    except OSError:
+        if proc.name() in SHELLS:
+            return True
+        tty, foreground = _terminal(proc.pid)
+        return tty != 0 and (os.getsid(proc.pid) == proc.pid or foreground == os.getpgid(proc.pid))
+    except (psutil.Error, OSError):
+        return True
+
+
+def names_folder(proc: psutil.Process, folder: str) -> bool:
+    """Whether an argument of ``proc``'s command line is ``folder``, ends in ``=folder`` or lies inside it."""
+    try:
+        args = proc.cmdline()
+    except psutil.Error:
         return False
-    name = os.fsencode(folder.rstrip("/"))
-    return any(arg == name or arg.endswith(b"=" + name) or name + b"/" in arg for arg in args)
+    name = folder.rstrip("/")
+    return any(arg == name or arg.endswith("=" + name) or name + "/" in arg for arg in args)
 
 
-def alive(pid: int, start: int) -> bool:
-    """Whether the process recorded as (pid, start) still runs (not ended, not a zombie, pid not reused)."""
-    proc = _read_stat(pid)
-    return proc is not None and proc.start == start and proc.state != "Z"
-
-
-def reap(recorded: dict[int, int], session_dir: str | None) -> tuple[int, int]:
+def reap(recorded: Iterable[psutil.Process], session_dir: str | None) -> tuple[int, int]:
     """Stop the recorded processes still alive, those naming ``session_dir`` and all their descendants: SIGTERM,
     then SIGKILL for whatever is left after :data:`TERM_GRACE_S` or started meanwhile, all within
     :data:`TERM_GRACE_S` + :data:`KILL_WAIT_S`.
 
     Returns (processes stopped, of which by SIGKILL).
     """
-    me, uid = os.getpid(), os.geteuid()
-    stopped: dict[int, int] = {}  # pid -> start time of every process signalled
+    recorded = list(recorded)
+    me = os.getpid()
+    stopped: dict[int, psutil.Process] = {}  # every process signalled, by pid
     killed: set[int] = set()
 
-    def targets() -> dict[int, int]:
-        table = {pid: proc for pid, proc in process_table().items() if proc.uid == uid}  # never another user's
-        roots = {pid for pid, start in {**recorded, **stopped}.items() if pid in table and table[pid].start == start}
+    def targets() -> dict[int, psutil.Process]:
+        roots = [proc for proc in [*recorded, *stopped.values()] if running(proc)]
         if session_dir:
-            roots |= {pid for pid in table if not strange_by_folder(table[pid]) and names_folder(pid, session_dir)}
-        found = roots | descendants(roots, table)
-        return {pid: table[pid].start for pid in found - {me, 1} if table[pid].state != "Z"}
+            roots += [p for p in psutil.process_iter() if names_folder(p, session_dir) and not strange_by_folder(p)]
+        found: dict[int, psutil.Process] = {}
+        for root in roots:
+            if root.pid in found:  # already below another root: its subtree is in
+                continue
+            try:
+                below = root.children(recursive=True)
+            except psutil.Error:
+                below = []
+            found.update((proc.pid, proc) for proc in [root, *below])
+        return {
+            pid: proc for pid, proc in found.items() if pid not in (me, 1) and _owned(proc) and running(proc)
+        }  # never another user's
 
-    def wait(pids: set[int], until: float) -> None:
-        while time.monotonic() < until and any(alive(pid, stopped[pid]) for pid in pids):
+    def wait(procs: Iterable[psutil.Process], until: float) -> None:
+        # Not psutil.wait_procs: it counts a zombie (ended, not yet reaped by its parent) as alive and waits it out.
+        procs = list(procs)
+        while time.monotonic() < until and any(running(proc) for proc in procs):
             time.sleep(0.05)
 
     began = time.monotonic()
     first = targets()
     stopped.update(first)
-    for pid, start in first.items():
-        _signal(pid, start, signal.SIGTERM)
-    wait(set(first), began + TERM_GRACE_S)
+    for proc in first.values():
+        _signal(proc, signal.SIGTERM)
+    wait(first.values(), began + TERM_GRACE_S)
     for _ in range(3):  # a process may start another while it is stopped: look again, a bounded number of times
-        left = {pid: start for pid, start in targets().items() if stopped.get(pid, start) == start}
+        left = {pid: proc for pid, proc in targets().items() if pid not in stopped or stopped[pid] == proc}
         if not left or time.monotonic() >= began + TERM_GRACE_S + KILL_WAIT_S:
             break
         stopped.update(left)
-        for pid, start in left.items():
-            _signal(pid, start, signal.SIGKILL)
+        for proc in left.values():
+            _signal(proc, signal.SIGKILL)
         killed |= set(left)
-        wait(set(left), began + TERM_GRACE_S + KILL_WAIT_S)
+        wait(left.values(), began + TERM_GRACE_S + KILL_WAIT_S)
     return len(stopped), len(killed)
 
 
-def _signal(pid: int, start: int, sig: signal.Signals) -> bool:
-    """Send ``sig`` to the process recorded as (pid, start), never to another that has its pid now; whether sent.
-
-    Through a pidfd where the kernel has them: opened first, then the process is checked to be the recorded one,
-    and the signal goes to the process the pidfd holds (a pid reused after the check is not it)."""
-    pidfd_open = getattr(os, "pidfd_open", None)
-    fd = None
-    if pidfd_open is not None:
-        try:
-            fd = pidfd_open(pid)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            fd = None  # ENOSYS: a kernel before 5.3; signal by pid below
+def _signal(proc: psutil.Process, sig: signal.Signals) -> bool:
+    """Send ``sig`` to ``proc``, never to another process that has its pid now; whether sent."""
+    # psutil checks the creation time and then signals the pid, which the kernel may have reused in between; a pidfd
+    # opened before that check holds the process itself (kernels before 5.3 have none: psutil's check alone).
     try:
-        proc = _read_stat(pid)
-        if proc is None or proc.start != start or proc.uid != os.geteuid():
+        fd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        return False
+    except (OSError, AttributeError):
+        fd = None
+    try:
+        if not running(proc) or not _owned(proc):
             return False
-        if fd is not None:
-            signal.pidfd_send_signal(fd, sig)
+        if fd is None:
+            proc.send_signal(sig)
         else:
-            os.kill(pid, sig)
+            signal.pidfd_send_signal(fd, sig)
         return True
-    except (ProcessLookupError, PermissionError):
+    except (psutil.Error, ProcessLookupError, PermissionError):
         return False
     finally:
         if fd is not None:
             os.close(fd)
 
 
-def watch(driver_pid: int, driver_start: int, session_dir: str | None) -> tuple[int, int]:
+def watch(driver: psutil.Process | None, session_dir: str | None) -> tuple[int, int]:
     """Record the driver's process tree until the driver has ended, then :func:`reap` (the reaper's body)."""
-    recorded: dict[int, int] = {}
+    recorded: dict[int, psutil.Process] = {}
     next_scan = 0.0
-    while alive(driver_pid, driver_start):
+    while driver is not None and running(driver):
         if time.monotonic() >= next_scan:
-            table = process_table()
-            recorded.update({pid: table[pid].start for pid in descendants({driver_pid}, table) if pid in table})
+            try:
+                recorded.update((proc.pid, proc) for proc in driver.children(recursive=True))
+            except psutil.Error:
+                pass
             next_scan = time.monotonic() + SCAN_INTERVAL_S
         time.sleep(DEATH_POLL_S)
-    return reap(recorded, session_dir)
+    return reap(recorded.values(), session_dir)
 
 
 def watch_driver(session_dir: str | None, driver_pid: int | None = None) -> subprocess.Popen:
@@ -234,10 +216,10 @@ def watch_driver(session_dir: str | None, driver_pid: int | None = None) -> subp
     what it stopped.
     """
     pid = os.getpid() if driver_pid is None else int(driver_pid)
-    proc = _read_stat(pid)
-    if proc is None:
+    driver = find(pid)
+    if driver is None:
         raise ValueError(f"no process {pid} to watch")
-    command = [sys.executable, "-m", "respo_verl.run.reaper", str(pid), str(proc.start)]
+    command = [sys.executable, "-m", "respo_verl.run.reaper", str(pid), repr(driver.create_time())]
     if session_dir:
         command += ["--session-dir", str(session_dir)]
     return subprocess.Popen(
@@ -261,14 +243,14 @@ def _append_to_stderr_file() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m respo_verl.run.reaper", description=__doc__.split("\n")[0])
     parser.add_argument("driver_pid", type=int)
-    parser.add_argument("driver_start", type=int, help="the driver's start time, field 22 of /proc/<pid>/stat")
+    parser.add_argument("driver_created", type=float, help="the driver's creation time, as psutil reads it")
     parser.add_argument("--session-dir", default=None, help="the Ray session folder the driver started")
     args = parser.parse_args(argv)
     # A Ctrl-C at the terminal, or SIGTERM (a save-and-stop request) sent to every process of a job, is for the
     # driver: the reaper ends by itself once the driver has ended and its cluster is stopped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    stopped, killed = watch(args.driver_pid, args.driver_start, args.session_dir)
+    stopped, killed = watch(find(args.driver_pid, args.driver_created), args.session_dir)
     if stopped:
         _append_to_stderr_file()
         session = f" and its Ray session {args.session_dir}" if args.session_dir else ""

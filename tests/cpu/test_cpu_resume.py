@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import cpu_runs
+from support import cpu_runs, procs
 from support.trainer_checks import RESPO_KEYS, STALE_LOG_W, assert_trains, assert_weights_synced, log_w
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
@@ -157,20 +157,6 @@ def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float
     ray_tmp = tempfile.mkdtemp(prefix="rv-ray-", dir="/tmp")
     out_path = tmp_path / f"out-{time.monotonic_ns()}.txt"
 
-    def naming_ray_tmp() -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if any(ray_tmp in arg for arg in proc.cmdline()):
-                    found.append(proc)
-            except psutil.Error:
-                pass
-        return found
-
-    def running(procs: list[psutil.Process]) -> list[psutil.Process]:
-        # is_running() compares the creation time too: a reused pid is not taken for the recorded process
-        return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
     try:
         with out_path.open("w") as out:
             proc = cpu_runs.start(tmp_path, command, ray_tmp, log, out)
@@ -180,15 +166,13 @@ def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float
             assert proc.poll() is None and marker.is_file(), out_path.read_text(errors="replace")[-4000:]
             logged = cpu_runs.logged_steps(log)
             driver = psutil.Process(proc.pid)
-            tree = {p.pid: p for p in [*driver.children(recursive=True), *naming_ray_tmp()] if p.pid != proc.pid}
+            tree = {p.pid: p for p in [*driver.children(recursive=True), *procs.naming(ray_tmp)] if p.pid != proc.pid}
             described = {pid: " ".join(p.cmdline())[:120] for pid, p in tree.items()}
             proc.kill()
             proc.wait()
             killed = time.monotonic()
-            while running(list(tree.values())) and time.monotonic() < killed + REAP_BOUND_S:
-                time.sleep(0.2)
-            left = {p.pid: described[p.pid] for p in running(list(tree.values()))}
-            left.update({p.pid: " ".join(p.cmdline())[:120] for p in running(naming_ray_tmp())})
+            left = {p.pid: described[p.pid] for p in procs.wait_gone(tree.values(), REAP_BOUND_S)}
+            left.update({p.pid: " ".join(p.cmdline())[:120] for p in procs.naming(ray_tmp) if procs.running(p)})
             gone_after = time.monotonic() - killed
             time.sleep(1)  # the reaper's line, written as it ends
     finally:
@@ -228,7 +212,6 @@ def preempted(uninterrupted, tmp_path_factory) -> dict:
         "steps": cpu_runs.logged_steps(run / "log.jsonl"),
         "complete": sorted(p.parent.name for p in folder.glob(f"global_step_*/{MARKER}")),
         "tracker": (folder / TRACKER).read_text().strip() if (folder / TRACKER).is_file() else None,
-        "stop_file_left": (folder / "STOP").exists(),
     }
     killed = _kill_after(run, command, folder / "global_step_3" / MARKER)
     if "Resuming from" not in killed["out"]:
@@ -265,9 +248,8 @@ def test_sigterm_saves_and_stops_the_relaunch_resumes_exactly_another_run_is_ref
     stopped = max(sigterm["steps"])
     assert stopped in (1, 2), out[-4000:]  # the step the notice arrived in, or the next one
     assert sigterm["steps"] == list(range(1, stopped + 1)), sigterm["steps"]
-    assert f"stop requested ({folder / 'STOP'}): saved global_step_{stopped}, ending the run" in out
+    assert f"stop requested (SIGTERM to the driver): saved global_step_{stopped}, ending the run" in out
     assert sigterm["complete"] == [f"global_step_{stopped}"] and sigterm["tracker"] == str(stopped)
-    assert not sigterm["stop_file_left"]
 
     # the relaunch resumed from that checkpoint (then was killed: test_sigkill_... below)
     relaunch = preempted["sigkill"]["out"]

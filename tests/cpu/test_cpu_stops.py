@@ -22,10 +22,10 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 
+import psutil
 import pytest
-from support import cpu_runs
+from support import cpu_runs, procs
 from support.trainer_checks import ON_POLICY_LOG_W, assert_weights_synced, log_w
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit
@@ -62,8 +62,8 @@ def stale_server_run(kit, tmp_path_factory) -> dict:
         announced = re.search(r"\(RewardLoopWorker pid=(\d+)\)\S* announcing_reward: scoring in pid (\d+)", out)
         assert announced and announced[1] == announced[2], out[-4000:]
         pid = int(announced[1])
-        assert cpu_runs.descends_from(pid, proc.pid), f"pid {pid} is not a process of this run"
-        assert b"RewardLoopWorker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert procs.descends_from(pid, proc.pid), f"pid {pid} is not a process of this run"
+        assert "RewardLoopWorker" in " ".join(psutil.Process(pid).cmdline())
         os.kill(pid, signal.SIGKILL)
         killed.update(pid=pid, at=time.monotonic())
 

@@ -21,13 +21,12 @@ run; the faulted runs end early.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from support import cpu_runs
+from support import cpu_runs, procs
 from support.trainer_checks import RESPO_KEYS, SYNCED_LOG_PROB_GAP, assert_trains, assert_weights_synced
 
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
@@ -81,14 +80,9 @@ class EngineCoreKiller:
     def __call__(self, proc, out: str) -> None:
         if self.killed_at is not None or max(cpu_runs.logged_steps(self.log), default=0) < HEALTHY_STEPS:
             return
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if title.startswith(b"VLLM::EngineCore") and cpu_runs.descends_from(int(pid), proc.pid):
-                os.kill(int(pid), signal.SIGKILL)
-                self.killed_at = time.monotonic()
+        for engine in procs.titled(proc.pid, "VLLM::EngineCore"):
+            engine.send_signal(signal.SIGKILL)
+            self.killed_at = time.monotonic()
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+from support.procs import running, wait_gone
 
-from respo_verl.run.reaper import REAP_BOUND_S, SCAN_INTERVAL_S, _read_stat, alive, descendants, names_folder
+from respo_verl.run.reaper import REAP_BOUND_S, SCAN_INTERVAL_S, names_folder
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
 
@@ -66,23 +68,6 @@ def _start_driver(session: Path, how: str) -> tuple[subprocess.Popen, dict]:
     return proc, pids
 
 
-def _sleeper(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SLEEPER, *args])
-
-
-def _ident(pid: int) -> tuple[int, int]:
-    stat = _read_stat(pid)
-    assert stat is not None, pid
-    return pid, stat.start
-
-
-def _wait_gone(idents: list[tuple[int, int]], bound: float) -> list[int]:
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline and any(alive(*i) for i in idents):
-        time.sleep(0.1)
-    return [pid for pid, start in idents if alive(pid, start)]
-
-
 @pytest.mark.parametrize("how", ["sigkill", "exit"])
 @pytest.mark.slow  # a process tree killed and waited for (7 s each)
 def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(tmp_path, how):
@@ -92,18 +77,18 @@ def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(
     in_session = _sleeper(f"--session-dir={session}")  # not in the driver's tree, names our session folder
     driver, pids = _start_driver(session, how)
     names = {pids["child"]: "child", pids["stubborn"]: "stubborn", pids["orphan"]: "orphan", in_session.pid: "named"}
-    victims = [_ident(pid) for pid in names]
-    reaper = _ident(pids["reaper"])
+    victims = [psutil.Process(pid) for pid in names]
+    reaper = psutil.Process(pids["reaper"])
     try:
-        assert _read_stat(pids["orphan"]).ppid != driver.pid  # orphaned: found only because it was recorded
+        assert psutil.Process(pids["orphan"]).ppid() != driver.pid  # orphaned: found only because it was recorded
         if how == "sigkill":
             driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
         ended = time.monotonic()
-        left = _wait_gone(victims, REAP_BOUND_S)
+        left = [proc.pid for proc in wait_gone(victims, REAP_BOUND_S)]
         late = time.monotonic() - ended
         assert not left, f"still running {late:.1f} s after the driver ended: {[names[p] for p in left]}"
-        assert _wait_gone([reaper], 5) == []  # the reaper ends once it is done
+        assert wait_gone([reaper], 5) == []  # the reaper ends once it is done
         assert bystander.poll() is None and outsider.poll() is None
         report = driver.stderr.read()
         assert "respo-verl reaper: driver" in report and "stopped 4 process(es)" in report, report
@@ -112,21 +97,22 @@ def test_the_drivers_tree_and_its_session_are_gone_within_the_bound_others_stay(
         for proc in (bystander, outsider, in_session):
             proc.kill()
             proc.wait()
-        for pid, start in [*victims, reaper]:
-            if alive(pid, start):
-                os.kill(pid, signal.SIGKILL)
+        for proc in [*victims, reaper]:
+            if running(proc):
+                proc.kill()
         driver.kill()
         driver.wait()
 
 
-def test_descendants_and_folder_names():
-    from respo_verl.run.reaper import Proc
-
-    table = {p: Proc(p, pp, 0, "S") for p, pp in [(1, 0), (10, 1), (11, 10), (12, 11), (20, 1), (13, 10)]}
-    assert descendants({10}, table) == {11, 12, 13}
-    assert descendants({12}, table) == set()
-    me = os.getpid()
-    assert not names_folder(me, "/nonexistent/session_x")
+def test_folder_names(tmp_path):
+    session = str(tmp_path / "session_x")
+    inside, named, prefix = _sleeper(session + "/logs"), _sleeper(f"--temp={session}"), _sleeper(session + "2")
+    try:
+        assert names_folder(psutil.Process(inside.pid), session) and names_folder(psutil.Process(named.pid), session)
+        assert not names_folder(psutil.Process(prefix.pid), session)
+        assert not names_folder(psutil.Process(), "/nonexistent/session_x")
+    finally:
+        _stop(inside, named, prefix)
 
 
 def test_watch_driver_refuses_a_pid_that_is_not_there():
@@ -144,18 +130,18 @@ def test_watch_driver_refuses_a_pid_that_is_not_there():
 def _sleeper(*args: str, **popen) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", SLEEPER, *args], **popen)
     deadline = time.monotonic() + 10
-    while (_read_stat(proc.pid) is None or not names_folder_ready(proc.pid, args)) and time.monotonic() < deadline:
+    while not _execd(proc.pid, args) and time.monotonic() < deadline:
         time.sleep(0.02)
     return proc
 
 
-def names_folder_ready(pid: int, args) -> bool:
+def _execd(pid: int, args) -> bool:
     """Whether ``pid`` has exec'd the sleeper (its command line holds ``args``), so that it is what it stands for."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+        cmdline = psutil.Process(pid).cmdline()
+    except psutil.Error:
         return False
-    return all(os.fsencode(a) in cmdline for a in args)
+    return all(a in cmdline for a in args)
 
 
 def _stop(*procs: subprocess.Popen) -> None:
@@ -171,13 +157,13 @@ def test_a_process_of_another_user_is_never_stopped_even_when_recorded(tmp_path)
     session = str(tmp_path / "session_x")
     stranger = subprocess.Popen(["sleep", "300"], user=65534)  # nobody's: "recorded", as a reused pid could be
     ours = _sleeper(session)
-    while _read_stat(stranger.pid) is None or _read_stat(stranger.pid).uid != 65534:
+    while psutil.Process(stranger.pid).uids().effective != 65534:
         time.sleep(0.02)
     try:
-        recorded = {p.pid: _read_stat(p.pid).start for p in (stranger, ours)}
+        recorded = [psutil.Process(p.pid) for p in (stranger, ours)]
         reap(recorded, session)
         assert ours.wait(timeout=20) == -signal.SIGTERM
-        assert stranger.poll() is None and alive(stranger.pid, recorded[stranger.pid])
+        assert stranger.poll() is None and running(recorded[0])
     finally:
         _stop(stranger, ours)
 
@@ -187,7 +173,7 @@ def test_a_shell_or_a_terminal_holder_naming_the_folder_is_left_alone(tmp_path):
     import pty
     import termios
 
-    from respo_verl.run.reaper import reap
+    from respo_verl.run.reaper import _terminal, reap
 
     session = str(tmp_path / "session_x")
     shell = subprocess.Popen(["bash", "-c", "sleep 300; : " + session])  # a user's shell, e.g. `less` of a log
@@ -200,8 +186,8 @@ def test_a_shell_or_a_terminal_holder_naming_the_folder_is_left_alone(tmp_path):
     stray = _sleeper(session)  # an orphan of the cluster: no terminal, not a shell
     try:
         time.sleep(0.3)  # bash has started its `sleep`
-        assert _read_stat(on_terminal.pid).tty != 0
-        reap({}, session)
+        assert _terminal(on_terminal.pid)[0] != 0  # it holds the terminal it took
+        reap([], session)
         assert stray.wait(timeout=20) == -signal.SIGTERM
         assert shell.poll() is None and on_terminal.poll() is None
     finally:
@@ -215,11 +201,13 @@ def test_a_signal_goes_only_to_the_process_recorded_by_pid_and_start():
 
     proc = _sleeper()
     try:
-        start = _read_stat(proc.pid).start
-        assert not _signal(proc.pid, start + 1, signal.SIGTERM)  # another process's start: the pid was reused
+        recorded = psutil.Process(proc.pid)
+        reused = psutil.Process(proc.pid)
+        reused._ident = (proc.pid, reused._ident[1] + 1)  # psutil's identity, another creation time: a reused pid
+        assert not _signal(reused, signal.SIGTERM)
         assert proc.poll() is None
-        assert _signal(proc.pid, start, signal.SIGTERM)
+        assert _signal(recorded, signal.SIGTERM)
         assert proc.wait(timeout=20) == -signal.SIGTERM
-        assert not _signal(proc.pid, start, signal.SIGTERM)  # gone (reaped): nothing is sent
+        assert not _signal(recorded, signal.SIGTERM)  # gone (reaped): nothing is sent
     finally:
         _stop(proc)

@@ -174,19 +174,6 @@ def logged_steps(log: Path) -> list[int]:
     return [r["step"] for r in records if "step" in r]
 
 
-def descends_from(pid: int, ancestor: int) -> bool:
-    """Whether process ``pid`` is ``ancestor`` or one of its descendants (Linux /proc)."""
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
-    return False
-
-
 def stop_line(out: str, pattern: str) -> re.Match:
     """The driver's one stop line, matched by ``pattern`` (after ``respo_verl.main_ppo: stopped ``); nothing after it
     is a traceback, and it is the only such line."""

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+import psutil
+
 from respo_verl.tools.runs.logs import LogError, read_log
 from respo_verl.tools.runs.manifest import RunRecord
 from respo_verl.tools.sweep.progress import SweepProgress
@@ -65,16 +67,6 @@ def logged_steps(record: RunRecord, out_dir: Path) -> int:
     except LogError:
         return 0
     return sum(1 for step in steps if 1 <= step <= record.last_log_step)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_holder(fd: int, holder: dict) -> None:
@@ -123,7 +115,7 @@ def folder_lock(out_dir: Path, echo, wait: bool = True) -> Iterator[int]:
         except BlockingIOError:
             holder = _holder(fd)
             sweep_pid = holder.get("sweep_pid")
-            if isinstance(sweep_pid, int) and _alive(sweep_pid):
+            if isinstance(sweep_pid, int) and psutil.pid_exists(sweep_pid):
                 raise SweepBusy(
                     f"another sweep (pid {sweep_pid}) is running in {out_dir}; wait for it or stop it"
                 ) from None

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import procs
 
 from respo_verl.cli import main as cli_main
 from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, read_manifest, write_manifest
@@ -157,17 +158,6 @@ def test_a_symlinked_manifest_is_replaced_not_written_through(tmp_path):
     assert not (tmp_path / MANIFEST_NAME).is_symlink() and read_manifest(tmp_path / MANIFEST_NAME) == records
 
 
-def _wait_gone(pid: int, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_an_interrupt_before_the_run_is_recorded_still_stops_it():
     """SIGTERM reaches the sweep after it decided to start a run but before it recorded the run's process."""
     interrupts = _Interrupts(echo=lambda line: None)
@@ -207,6 +197,6 @@ def test_a_run_gets_sigterm_when_its_sweep_is_killed(tmp_path):
         run_pid = int(pid_file.read_text())
         sweep.kill()
         sweep.wait()
-        assert _wait_gone(run_pid), "the run outlived its killed sweep"
+        assert procs.gone_within(run_pid, 20.0), "the run outlived its killed sweep"
     finally:
         sweep.kill()
