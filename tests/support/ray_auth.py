@@ -4,7 +4,7 @@ test session.
 Ray (2.52 and later) turns token auth on with ``RAY_AUTH_MODE=token`` and reads the token from ``RAY_AUTH_TOKEN``
 first; a token in the environment leaves the user's ``~/.ray/auth_token`` alone. tests/conftest.py sets both once
 per session, so that the trainer subprocesses, ``ray start --head`` and ``respo-verl sweep --ray`` (which sends the
-token it finds, ``respo_verl.tools.sweep.runner.auth_headers``) share them. A test that starts a head passes
+token through Ray's own client, ``respo_verl.tools.sweep.runner.connect``) share them. A test that starts a head passes
 :func:`env` to it and to its clients; a client in the test process sends :func:`headers`.
 """
 

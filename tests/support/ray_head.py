@@ -1,13 +1,12 @@
 """A Ray head started by a test (``ray start --head`` with its dashboard, the Job Submission API), in one place.
 
-Used by tests/tools/sweep/test_sweep_ray.py (``respo-verl sweep --ray``). The caller passes the environment the head
-and its jobs run with: a job's ``python`` and ``PYTHONPATH`` are the head's.
+Used by tests/tools/sweep/test_sweep_ray.py (``respo-verl sweep --ray``) and test_sweep_ray_auth.py (its token). The
+caller passes the environment the head and its jobs run with: a job's ``python`` and ``PYTHONPATH`` are the head's.
 """
 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from respo_verl.run.reaper import reap
+from support.ranks import free_port
 
 OWN_PORTS = (
     "dashboard-agent-listen-port",
@@ -24,12 +24,6 @@ OWN_PORTS = (
     "metrics-export-port",
     "ray-client-server-port",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -47,7 +41,8 @@ def ray_head(env: dict[str, str], num_cpus: int = 16, num_gpus: int = 2) -> Iter
         f"--num-gpus={num_gpus}", f"--temp-dir={temp}", "--disable-usage-stats",
     ]  # fmt: skip
     try:
-        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        # a session of its own: no terminal, so that the reaper below stops the head's processes
+        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
         yield f"http://127.0.0.1:{dashboard}"
     finally:

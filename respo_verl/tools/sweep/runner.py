@@ -19,12 +19,10 @@ from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, check_name,
 # How long the reachability probe of a Ray address waits for a TCP connection: a refused port answers at once, a
 # dead host is not worth Ray's own 40 s of GCS retries.
 PROBE_TIMEOUT_S = 5.0
-# Where Ray (2.52 and later) looks for a cluster's token, highest precedence first: the token itself, a file naming
-# it, and the default file (docs/cluster.md, "Security").
+# How Ray (2.52 and later) is told to send a cluster's token, and where it reads it (docs/cluster.md, "Security").
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
-DEFAULT_TOKEN_PATH = Path("~/.ray/auth_token")
-AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 class ClusterError(RuntimeError):
@@ -107,57 +105,31 @@ def check_reachable(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         raise ClusterError(f"cannot reach the Ray cluster at {address}: {cause}") from None
 
 
-def ray_token(environ=None) -> str | None:
-    """The Ray cluster token this machine holds, where Ray itself looks for it (:data:`TOKEN_ENV`, then the file
-    :data:`TOKEN_PATH_ENV` names, then :data:`DEFAULT_TOKEN_PATH`), or None: none found, or ``RAY_AUTH_MODE`` is
-    ``disabled``.
-
-    Raises:
-        ClusterError: ``RAY_AUTH_TOKEN_PATH`` names a file that cannot be read or is empty (Ray refuses that too).
-    """
-    environ = os.environ if environ is None else environ
-    if environ.get(AUTH_MODE_ENV, "").lower() == "disabled":
-        return None
-    if environ.get(TOKEN_ENV, "").strip():
-        return environ[TOKEN_ENV].strip()
-    named = environ.get(TOKEN_PATH_ENV)
-    path = Path(named).expanduser() if named else DEFAULT_TOKEN_PATH.expanduser()
-    try:
-        token = path.read_text().strip()
-    except FileNotFoundError:
-        if named:
-            raise ClusterError(f"{TOKEN_PATH_ENV}={named}: no such file") from None
-        return None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ClusterError(f"cannot read the Ray token file {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    if not token and named:
-        raise ClusterError(f"{TOKEN_PATH_ENV}={named}: the file is empty")
-    return token or None
-
-
-def auth_headers(environ=None) -> dict[str, str]:
-    """The header that carries the cluster's token to its dashboard (Ray's bearer token), or none without one."""
-    token = ray_token(environ)
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
 def connect(address: str):
-    """Ray's JobSubmissionClient for ``address``, sending the token of :func:`ray_token` when there is one; or
-    :class:`ClusterError` naming the address and the cause."""
+    """Ray's JobSubmissionClient for ``address``, or :class:`ClusterError` naming the address and the cause.
+
+    Ray's client sends the cluster's token itself where token auth is on here (:data:`AUTH_MODE_ENV` ``=token``),
+    read from :data:`TOKEN_ENV`, else the file :data:`TOKEN_PATH_ENV` names, else ``~/.ray/auth_token``.
+    """
     check_reachable(address)
-    headers = auth_headers()
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
     try:
-        return JobSubmissionClient(address, headers=headers or None)
+        return JobSubmissionClient(address)
+    except AuthenticationError as exc:  # no token sent (401), a token refused (403), or none readable here
+        text = str(exc).strip()
+        sent = "its token was refused" if text.startswith("Authentication failed") else "no token was found here"
+        cause = text.splitlines()[0] if text else type(exc).__name__
+        if TOKEN_PATH_ENV in cause and "cannot be opened" in cause:
+            raise ClusterError(f"{TOKEN_PATH_ENV}={os.environ[TOKEN_PATH_ENV]}: no such file, or it is empty") from None
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {address}: the cluster wants a token and {sent} (set "
+            f"{AUTH_MODE_ENV}=token, and {TOKEN_ENV} or {TOKEN_PATH_ENV} to the head's token, docs/cluster.md, "
+            f"Security): {cause}"
+        ) from None
     except Exception as exc:  # ConnectionError (dashboard), ray.exceptions.RpcError (GCS), ValueError (address)
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if any(sign in cause.lower() for sign in ("401", "403", "unauthorized", "forbidden", "authenticat")):
-            sent = "its token was refused" if headers else "no token was found here"
-            cause = (
-                f"the cluster wants a token and {sent} (set {TOKEN_ENV} or {TOKEN_PATH_ENV} to the head's token, "
-                f"docs/cluster.md, Security): {cause}"
-            )
         raise ClusterError(f"cannot reach the Ray cluster at {address}: {cause}") from None
 
 
