@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Qwen3-30B-A3B-Base, Megatron actor + vLLM rollout, ReSPO or a baseline, on a preset cluster layout (docs/method.md, "Published protocol").
-# Multi-node: start Ray first (scripts/launch/ray_cluster.sh or scripts/launch/slurm/respo_verl.sbatch), run this on the head.
+# One run on a running Ray cluster (docs/cluster-quickstart.md: Ray at step 6, this at step 7), from its head:
+#   RAY_ADDRESS=auto ALGO=respo N=16 SEED=0 examples/run_qwen3_30b_a3b_megatron.sh
+# Under Slurm, scripts/launch/slurm/respo_verl.sbatch starts Ray over the allocation and runs this script.
 set -euo pipefail
 
 # ---- knobs ---------------------------------------------------------------------------------------------------
@@ -8,9 +10,9 @@ ALGO=${ALGO:-respo}                                # respo | vespo | grpo | gspo
 N=${N:-8}                                          # rollout reuse: train_batch_size = 32·N prompts
 SEED=${SEED:-1}
 PRESET=${PRESET:-qwen3_30b_a3b_h100_2x8}           # configs/cluster/<PRESET>.yaml
-ROUTING=${ROUTING:-}                               # routing replay: off | r2 | r3 (Megatron only); empty: off
+ROUTING=${ROUTING:-}                               # routing replay: off | r2 | r3 (Megatron only); empty: off, as in the paper's grid
 MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B-Base}
-DATA_DIR=${DATA_DIR:-$HOME/data/respo_verl}        # from respo_verl/data/dapo_math.py and prepare_eval_math.py
+DATA_DIR=${DATA_DIR:-$HOME/data/respo_verl}        # from `respo-verl prepare-data` (quick start, step 3)
 CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/respo_verl}
 PROJECT=${PROJECT:-respo_verl}
 EXPERIMENT=${EXPERIMENT:-${ALGO}_qwen3_30b_a3b_N${N}_seed${SEED}${ROUTING:+_$ROUTING}}
