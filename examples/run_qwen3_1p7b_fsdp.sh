@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Qwen3-1.7B-Base, FSDP actor (Ulysses SP 2) + vLLM TP 2, ReSPO or a baseline, on a preset cluster layout (docs/method.md, "Published protocol").
 # One run on a running Ray cluster (docs/cluster-quickstart.md: Ray at step 6, this at step 7), from its head:
-#   RAY_ADDRESS=auto ALGO=vespo N=32 SEED=2 PRESET=qwen3_1p7b_h100_2x8 examples/run_qwen3_1p7b_fsdp.sh
+#   RAY_ADDRESS=auto RAY_AUTH_MODE=token ALGO=vespo N=32 SEED=2 PRESET=qwen3_1p7b_h100_2x8 examples/run_qwen3_1p7b_fsdp.sh
 # Under Slurm, scripts/launch/slurm/respo_verl.sbatch starts Ray over the allocation and runs this script.
 set -euo pipefail
 

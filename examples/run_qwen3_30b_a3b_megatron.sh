@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Qwen3-30B-A3B-Base, Megatron actor + vLLM rollout, ReSPO or a baseline, on a preset cluster layout (docs/method.md, "Published protocol").
 # One run on a running Ray cluster (docs/cluster-quickstart.md: Ray at step 6, this at step 7), from its head:
-#   RAY_ADDRESS=auto ALGO=respo N=16 SEED=0 examples/run_qwen3_30b_a3b_megatron.sh
+#   RAY_ADDRESS=auto RAY_AUTH_MODE=token ALGO=respo N=16 SEED=0 examples/run_qwen3_30b_a3b_megatron.sh
 # Under Slurm, scripts/launch/slurm/respo_verl.sbatch starts Ray over the allocation and runs this script.
 set -euo pipefail
 

@@ -156,7 +156,7 @@ def _knobs_read(script: Path) -> set[str]:
 
 
 def _check_knobs(command: str, script: Path, knobs: dict[str, str], extra: set[str] = frozenset()) -> None:
-    read = _knobs_read(script) | extra | {"RAY_ADDRESS"}  # RAY_ADDRESS is read by Ray in the run itself
+    read = _knobs_read(script) | extra | {"RAY_ADDRESS", "RAY_AUTH_MODE"}  # read by Ray in the run itself
     unknown = sorted(set(knobs) - read)
     assert not unknown, f"`{command}`: {script.relative_to(ROOT)} reads no {', '.join(unknown)}"
 
