@@ -131,6 +131,10 @@ def _register_after_import(patch: Patch) -> None:
 
 
 def _install(patch: Patch) -> None:
+    from respo_verl.patches.verl_0_9_1_routes import ROUTES_UINT8
+
+    if ROUTES_UINT8.apply():  # the agent loops of every verl process, where R3's routes enter the TransferQueue
+        patch.on_remove(ROUTES_UINT8.remove, where=ROUTES_UINT8.name, why="applied with the route-drift engines")
     patch.after_import(
         MEGATRON_ENGINE_MODULE,
         lambda: _register_after_import(patch),
@@ -155,6 +159,7 @@ class _EngineRouteDrift:
         self.monitor = None
         self.pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self.update_index = 0  # j of the next training call in the step's update pass
+        self.route_bytes: tuple[int, int] | None = None  # (bytes, samples) of the forward-only calls' routes
 
     def close(self) -> None:
         if self.monitor is not None:
@@ -194,6 +199,10 @@ class _EngineRouteDrift:
             sums = self.monitor.sums(reset=True)
         if forward_only:
             self.pending = (_add(self.pending[0], sums[0]), _add(self.pending[1], sums[1]))
+            if routes is not None:  # R3: the rollout's routes, as the TransferQueue handed them to this rank
+                values = routes.values() if routes.is_nested else routes
+                done = self.route_bytes or (0, 0)
+                self.route_bytes = (done[0] + values.numel() * values.element_size(), done[1] + routes.shape[0])
             self.update_index = 0  # a new rollout batch's old-log-prob pass: the next update is its first
             return output
         log_prob_sums, self.pending = self.pending, (None, None)
@@ -203,6 +212,10 @@ class _EngineRouteDrift:
         self.update_index = 0 if last else update_index + 1
         metrics = self._reduce(engine, {TRAIN_PREFIX: sums, LOG_PROB_PREFIX: log_prob_sums})
         metrics.update(per_update_metrics(metrics, update_index, prefix=TRAIN_PREFIX))
+        if self.route_bytes is not None:
+            device = self._device(engine, {})
+            metrics.update(route_bytes_metrics(self.route_bytes, engine.get_data_parallel_group(), device))
+            self.route_bytes = None
         if metrics and engine.is_mp_src_rank_with_outputs() and isinstance(output, dict) and "metrics" in output:
             # One-element lists, the shape of verl's per-micro-batch metrics (worker flattens, trainer averages).
             output["metrics"].update({key: [value] for key, value in metrics.items()})
@@ -228,3 +241,23 @@ class _EngineRouteDrift:
             for param in chunk.parameters():
                 return param.device  # on the accelerator during a step (verl loads offloaded params first)
         return torch.device("cpu")
+
+
+def route_bytes_metrics(local: tuple[int, int], group=None, device: torch.device | None = None) -> dict[str, float]:
+    """``routing/route_bytes...`` of R3's routes the forward-only calls received, from this rank's (bytes, samples):
+    summed over the data-parallel ``group`` (its ranks hold disjoint samples; the ranks of one data-parallel rank
+    receive the same ones), the mean per sample and the most one rank received. One all_gather of two numbers."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(local, dtype=torch.float64, device=device)  # on the accelerator for NCCL
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        mine = torch.stack(gathered)
+    per_rank = mine.reshape(-1, 2)  # (ranks, 2)
+    total, samples = per_rank.sum(dim=0).tolist()
+    return {
+        f"{LOG_PROB_PREFIX}/route_bytes": total,
+        f"{LOG_PROB_PREFIX}/route_bytes_per_sample": total / max(samples, 1.0),
+        f"{LOG_PROB_PREFIX}/route_bytes_max_rank": float(per_rank[:, 0].max()),
+    }

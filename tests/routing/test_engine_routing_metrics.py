@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -149,6 +150,27 @@ def test_forward_only_drift_is_reported_with_the_next_update(engine_cls, input_i
     assert metrics["routing/compute_log_prob/replayed_tokens"] == [TOKENS]
     again = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)["metrics"]
     assert not [key for key in again if key.startswith("routing/compute_log_prob")]  # reported once
+
+
+def test_the_bytes_of_r3_s_routes_are_reported_with_the_next_update(engine_cls, input_ids):
+    """R3's compute_log_prob receives the rollout's routes, uint8 and jagged as the TransferQueue hands them over
+    (tests/patches/test_uint8_routes.py); the next update reports their bytes, per sample, and the most one rank
+    received (a world of one rank here), once."""
+    model = tiny_gpt_moe()
+    routes = _native_routes(model, input_ids)
+    routed = torch.stack([routes[layer].reshape(BATCH, SEQ, -1) for layer in range(NUM_LAYERS)], dim=2)
+    data = _batch(input_ids)
+    data["routed_experts"] = torch.nested.nested_tensor([routed[0, :4], routed[1]], layout=torch.jagged).to(torch.uint8)
+    engine = _engine(engine_cls, model, routes)
+    engine.engine_config = types.SimpleNamespace(dynamic_context_parallel=False)  # verl's data-parallel group
+    engine.forward_backward_batch(data, None, forward_only=True)
+    metrics = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)["metrics"]
+    size = (4 + SEQ) * NUM_LAYERS * routed.shape[-1]  # one byte per expert id
+    assert metrics["routing/compute_log_prob/route_bytes"] == [size]
+    assert metrics["routing/compute_log_prob/route_bytes_per_sample"] == [size / 2]
+    assert metrics["routing/compute_log_prob/route_bytes_max_rank"] == [size]
+    again = engine.forward_backward_batch(_batch(input_ids), None, forward_only=False)["metrics"]
+    assert "routing/compute_log_prob/route_bytes" not in again
 
 
 def _update_pass(engine, input_ids, routes, flips_by_update: list[int]) -> dict[str, float]:

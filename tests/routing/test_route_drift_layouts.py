@@ -254,9 +254,11 @@ R3_FLIPS = 3  # replayed real tokens whose rollout route (last layer) differs fr
 
 
 @pytest.mark.parametrize("replay_mask", ["verl_r3", "none"])
-@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize(
+    ("tp", "cp", "route_dtype"), [(2, 1, "int16"), (1, 2, "int16"), (2, 2, "int16"), (2, 2, "uint8")]
+)
 def test_r3_through_verl_s_thd_packing_counts_the_rollout_s_flips_and_no_padding_row(
-    cpu_world, verl_patch, monkeypatch, tp, cp, replay_mask
+    cpu_world, verl_patch, monkeypatch, tp, cp, replay_mask, route_dtype
 ):
     """R3: the rollout's routes of the real tokens, packed by verl as its engine packs them for R3 (each sequence
     padded to a multiple of TP·CP·2 with CP, of TP without; padding rows expert 0 repeated k times), replayed into
@@ -268,7 +270,10 @@ def test_r3_through_verl_s_thd_packing_counts_the_rollout_s_flips_and_no_padding
     (``align_r3_router_replay_data`` adds a zero placeholder) and ``build_r3_replay_mask`` leaves that row native;
     the mask is packed like the routes (padding rows False), so the replayed tokens are the real tokens less each
     sequence's final one. ``none``: the rollout's routes for every token and no replay mask, so every real token is
-    replayed and the monitor's own padding-row test is what keeps the padding rows out."""
+    replayed and the monitor's own padding-row test is what keeps the padding rows out.
+
+    ``route_dtype``: verl's int16, or vLLM's uint8 that respo-verl keeps (ROUTES_UINT8); either way verl packs them
+    as they are and each router receives int64 (tokens, k), widened on the device."""
     from verl.utils.megatron.router_replay_utils import (
         align_r3_router_replay_data,
         build_r3_replay_mask,
@@ -297,7 +302,7 @@ def test_r3_through_verl_s_thd_packing_counts_the_rollout_s_flips_and_no_padding
     for row in flipped_rows.tolist():
         taken = rollout[row, last].tolist()
         rollout[row, last, -1] = next(e for e in range(NUM_EXPERTS) if e not in taken)
-    routes = _sequence_routes(batch, rollout, lengths)
+    routes = [r.to(getattr(torch, route_dtype)) for r in _sequence_routes(batch, rollout, lengths)]
 
     counted: list[tuple[int, torch.Tensor | None]] = []  # (layer, token mask) of every update the monitor makes
     with RouteDriftMonitor(model) as monitor:
@@ -317,8 +322,9 @@ def test_r3_through_verl_s_thd_packing_counts_the_rollout_s_flips_and_no_padding
                 mask = build_r3_replay_mask(input_ids, response_mask)
             with _packing_as(tp, cp):
                 set_router_replay_data(route_data, None, model.config, replay_mask=mask, model=[model])
+            assert route_data.dtype == getattr(torch, route_dtype)  # what verl's engine hands set_router_replay_data
             target = routers[last].router_replay.target_topk_idx
-            assert target.shape == (rows, TOP_K)
+            assert target.shape == (rows, TOP_K) and target.dtype == torch.int64
             assert (target[padding] == 0).all()  # verl's padding rows
             for i, layer in enumerate(layers):
                 rollout_rows = routers[layer].router_replay.target_topk_idx[replayed]

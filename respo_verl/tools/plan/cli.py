@@ -24,11 +24,12 @@ from respo_verl import algorithms
 from respo_verl.layout.models import SHIPPED_MODELS, ModelConfigError, ModelShape, shape_from_hf_config
 from respo_verl.layout.parallel import Layout, LayoutError, layout_from_config
 from respo_verl.layout.rules import Violation, check_layout, size_violations
+from respo_verl.routing.mode import verl_mode
 from respo_verl.run.jobcheck import check_job
 from respo_verl.run.requirements import install_line, job_requirements
 from respo_verl.tools.plan.checkpoints import checkpoint_plan
 from respo_verl.tools.plan.memory import MemoryEstimate, estimate_memory, memory_violations
-from respo_verl.tools.plan.presets import GPU_MEMORY_GIB, PRESETS, PresetError, compose_preset
+from respo_verl.tools.plan.presets import GPU_MEMORY_GIB, HOST_MEMORY_GIB, PRESETS, PresetError, compose_preset
 
 EXIT_FITS, EXIT_VIOLATIONS, EXIT_BAD_INPUT = 0, 1, 2
 TABLE_WIDTH = 120
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", help="HF config.json (or model directory) instead of the shipped facts")
     p.add_argument("--model", choices=sorted(SHIPPED_MODELS), help="shipped architecture (default: the preset's)")
     p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU in GiB (default: the preset's GPU)")
+    p.add_argument("--host-memory-gib", type=float, help="memory of the TaskRunner's node in GiB (default: the GPU's)")
     p.add_argument("--algorithm", default="respo", help="algorithm preset to compose with (default respo)")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument(
@@ -113,13 +115,12 @@ def memory_table(name: str, lay: Layout, mem: MemoryEstimate, markdown: bool = F
     if mem.host_offload_gib_per_node:
         rows.append(("host RAM per node (offload)", mem.host_offload_gib_per_node, "pinned CPU memory, whole node"))
     if mem.replay_step_gib:
-        rows.append(
-            (
-                "routing replay / step",
-                mem.replay_step_gib,
-                f"int16, {mem.replay_microbatch_mib:.0f} MiB per micro-batch",
-            )
-        )
+        dtype = {1: "uint8", 2: "int16"}[mem.replay_index_bytes]
+        store = mem.object_store_gib
+        share = f"; {100 * mem.replay_step_gib / store:.0f}% of the object store ({store:.0f} GiB)" if store else ""
+        mode = "R3 if on" if lay.replay == "off" else verl_mode(lay.replay)
+        note = f"{mode}: {dtype}, ≤ {mem.replay_sample_mib:.1f} MiB/sample{share}"
+        rows.append(("routing replay / step", mem.replay_step_gib, note))
     for item, gib, note in rows:
         table.add_row(item, f"{gib:.1f}", note)
     peak = mem.peak_gib
@@ -135,6 +136,7 @@ def plan(
     model: ModelShape | None = None,
     gpu_gib: float | None = None,
     algorithm: str = "respo",
+    host_gib: float | None = None,
 ) -> tuple[Layout, MemoryEstimate | None, list[Violation], ModelShape]:
     """Compose ``preset`` with ``overrides`` and check it. Raises PresetError / ModelConfigError on bad input.
 
@@ -158,10 +160,12 @@ def plan(
         if info is None:
             raise PresetError(f"preset {preset!r} has no planner metadata; pass --gpu-memory-gib")
         gpu_gib = GPU_MEMORY_GIB[info.gpu]
+    if host_gib is None:
+        host_gib = HOST_MEMORY_GIB[info.gpu] if info is not None else 0.0
     sizes = size_violations(lay)
     if sizes:
         return lay, None, sizes, model
-    mem = estimate_memory(model, lay, gpu_gib)
+    mem = estimate_memory(model, lay, gpu_gib, host_gib)
     return lay, mem, check_layout(model, lay) + memory_violations(lay, mem), model
 
 
@@ -227,13 +231,16 @@ def main(argv: list[str] | None = None) -> int:
             model = shape_from_hf_config(args.model_config)
         elif args.model:
             model = SHIPPED_MODELS[args.model]
-        if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
-            raise PresetError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
+        for flag in ("gpu_memory_gib", "host_memory_gib"):
+            if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+                raise PresetError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
         if not args.build and (args.ranks or args.json or args.workers is not None):
             raise PresetError("--ranks, --json and --workers go with --build")
         if args.algorithm not in algorithms.NAMES:  # checked here: Hydra's refusal lists verl's presets too
             raise PresetError(f"--algorithm {args.algorithm}: no such algorithm (one of {', '.join(algorithms.NAMES)})")
-        lay, mem, violations, model = plan(args.preset, args.overrides, model, args.gpu_memory_gib, args.algorithm)
+        lay, mem, violations, model = plan(
+            args.preset, args.overrides, model, args.gpu_memory_gib, args.algorithm, args.host_memory_gib
+        )
     except (PresetError, ModelConfigError) as e:
         print(f"respo-verl plan: {_short(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -43,6 +43,12 @@ Host memory (pinned, per node): the CPU optimizer's 16 B/param; with ``param_off
 ``offload_megatron_model_to_cpu`` copies ``param_data`` to a pinned buffer and *frees* ``grad_data`` without a
 copy); with ``optimizer_offload`` whatever optimizer state the GPU held (``offload_megatron_optimizer``).
 
+Routing replay (per step, not per GPU): layers × top-k expert ids per token, uint8 for R3 up to 256 experts (int16
+above, and for R2), every sample at prompt_length + response_length: the most a step carries, since verl's
+TransferQueue keeps each sample at its own length. They are held against Ray's default object store of the node
+that gathers them, assumed to be the TaskRunner's: 30 % of its memory, at most 200 GB (verl's TransferQueue spreads
+its storage units over the nodes, so this is the worst case of a one-node gather).
+
 Old-log-prob forward: weights and gradient buffers stay allocated, no optimizer unless resident, one layer of
 activations and fp32 logits (6 B per element) at ``log_prob_max_token_len_per_gpu``.
 
@@ -98,8 +104,22 @@ LOGITS_FORWARD_BYTES = BF16_BYTES + FP32_BYTES
 RUNTIME_RESERVE_GIB = 5.0
 # vLLM's own activations at max_num_batched_tokens plus captured CUDA graphs, inside its memory fraction.
 VLLM_OVERHEAD_GIB = 2.0
-# verl stores routed experts as int16 (batch, seq, layers, topk).
-ROUTED_EXPERT_INDEX_BYTES = 2
+# Expert ids per byte of R3's routes: vLLM's uint8 up to 256 experts, kept by respo-verl (verl_0_9_1_routes);
+# verl's int16 above that, and for R2's routes, which verl's trainer records as int16.
+UINT8_MAX_EXPERTS = 256
+# Ray's default object store on a node: 30 % of its memory, at most 200 GB (ray_constants.py).
+RAY_OBJECT_STORE_SHARE = 0.3
+RAY_OBJECT_STORE_MAX_BYTES = 200e9
+
+
+def route_index_bytes(num_experts: int, mode: str = "r3") -> int:
+    """Bytes per expert id of the routes a step carries (see :data:`UINT8_MAX_EXPERTS`)."""
+    return 1 if num_experts <= UINT8_MAX_EXPERTS and mode != "r2" else 2
+
+
+def object_store_gib(host_gib: float) -> float:
+    """Ray's default object store (GiB) on a node of ``host_gib`` GiB."""
+    return min(RAY_OBJECT_STORE_SHARE * host_gib, RAY_OBJECT_STORE_MAX_BYTES / GIB)
 
 
 @dataclass(frozen=True)
@@ -128,6 +148,9 @@ class MemoryEstimate:
     rollout_startup_resident_gib: float = 0.0  # trainer state on the GPU when vLLM starts
     rollout_startup_free_gib: float = 0.0  # free memory vLLM sees at its start (capacity - resident - reserve)
     rollout_startup_needed_gib: float = 0.0  # gpu_memory_utilization x capacity (vLLM's start-up check)
+    replay_index_bytes: int = 0  # bytes per expert id of the step's routes
+    replay_sample_mib: float = 0.0  # one sample's routes at prompt_length + response_length
+    object_store_gib: float = 0.0  # Ray's default object store of the TaskRunner's node (0: host memory unknown)
 
     @property
     def static_gib(self) -> float:
@@ -240,7 +263,7 @@ def _recomputed_activation_bytes(lay: Layout, layers: int, per_layer: float, che
     return layers * per_layer
 
 
-def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float) -> MemoryEstimate:
+def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float, host_gib: float = 0.0) -> MemoryEstimate:
     """Estimate per-GPU memory of ``lay`` running model ``m`` on GPUs with ``gpu_gib`` GiB each.
 
     Assumes the layout divides (check the rules first); divisions that do not are rounded up.
@@ -322,10 +345,14 @@ def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float) -> MemoryEstimat
     )
     startup_free = gpu_gib * GIB - startup_resident - reserve
 
-    replay_step = replay_mb = 0.0
+    # Routes of a step (R3's unless R2 is on): verl's TransferQueue holds each sample at its own length, so this
+    # is the most a step carries, every sample at prompt_length + response_length.
+    replay_step = replay_mb = replay_sample = 0.0
+    index_bytes = route_index_bytes(m.num_experts, lay.replay) if m.is_moe else 0
     if m.is_moe:
-        per_token = m.num_moe_layers * m.moe_topk * ROUTED_EXPERT_INDEX_BYTES
-        replay_step = lay.train_batch_size * lay.rollout_n * lay.seq_len * per_token
+        per_token = m.num_moe_layers * m.moe_topk * index_bytes
+        replay_sample = lay.seq_len * per_token
+        replay_step = lay.train_batch_size * lay.rollout_n * replay_sample
         replay_mb = tokens * lay.seq_split * per_token
     return MemoryEstimate(
         params_per_gpu=int(params),
@@ -350,6 +377,9 @@ def estimate_memory(m: ModelShape, lay: Layout, gpu_gib: float) -> MemoryEstimat
         rollout_startup_resident_gib=startup_resident / GIB,
         rollout_startup_free_gib=startup_free / GIB,
         rollout_startup_needed_gib=vllm_budget / GIB,
+        replay_index_bytes=index_bytes,
+        replay_sample_mib=replay_sample / 2**20,
+        object_store_gib=object_store_gib(host_gib) if host_gib else 0.0,
     )
 
 
@@ -394,6 +424,15 @@ def memory_violations(lay: Layout, mem: MemoryEstimate) -> list[Violation]:
                 f"< gpu_memory_utilization {lay.rollout_memory_fraction:.2f} × {cap:.1f} = "
                 f"{mem.rollout_startup_needed_gib:.1f} GiB (vLLM Worker.init_device); offload params/optimizer "
                 f"or lower gpu_memory_utilization",
+            )
+        )
+    if lay.replay == "r3" and mem.object_store_gib and mem.replay_step_gib > mem.object_store_gib:
+        out.append(
+            Violation(
+                "routing-replay-host",
+                f"R3's routes of one step, up to {mem.replay_step_gib:.1f} GiB, exceed Ray's default object store "
+                f"of the TaskRunner's node ({mem.object_store_gib:.1f} GiB: {RAY_OBJECT_STORE_SHARE:.0%} of its "
+                f"memory, at most 200 GB); lower data.train_batch_size or actor_rollout_ref.rollout.response_length",
             )
         )
     if mem.rollout_kv_tokens < lay.seq_len:

@@ -19,6 +19,8 @@ H100_80GB_GIB = 79.6  # 81559 MiB
 H200_141GB_GIB = 140.4  # 143771 MiB
 
 GPU_MEMORY_GIB = {"h100": H100_80GB_GIB, "h200": H200_141GB_GIB}
+# Memory of the node the TaskRunner runs on: DGX H100 and DGX H200 ship 2 TB; --host-memory-gib for others.
+HOST_MEMORY_GIB = {"h100": 2e12 / 2**30, "h200": 2e12 / 2**30}
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,18 @@ def test_markdown_table(capsys):
     assert "| phase / item" in out and "routing replay / step" in out
 
 
+def test_r3_routes_of_a_step_that_exceed_the_object_store_exit_1_naming_the_key(capsys):
+    """The paper's N = 32 under R3: 27.0 GiB of uint8 routes a step, 14 % of a 2 TB node's object store; a node of
+    64 GiB (object store 19.2 GiB) cannot hold them."""
+    argv = ["qwen3_30b_a3b_h100_2x8", "data.train_batch_size=1024", "routing=r3"]
+    assert main(argv) == 0
+    assert "routing replay / step                27.0   R3: uint8, ≤ 3.4 MiB/sample; 14% of" in capsys.readouterr().out
+    assert main([*argv, "--host-memory-gib", "64"]) == 1
+    out = capsys.readouterr().out
+    assert "[routing-replay-host] R3's routes of one step, up to 27.0 GiB, exceed" in out
+    assert "lower data.train_batch_size" in out
+
+
 def test_rule_breaking_override_exits_1_listing_every_rule(capsys):
     code = main(["qwen3_30b_a3b_h100_1x8", f"{MG}.tensor_model_parallel_size=3", f"{MG}.expert_model_parallel_size=3"])
     out = capsys.readouterr().out
@@ -43,6 +55,7 @@ def test_rule_breaking_override_exits_1_listing_every_rule(capsys):
         (["qwen3_1p7b_h100_1x8", "trainer.nnodes"], "not of the form key=value"),
         (["qwen3_1p7b_h100_1x8", "trainer.no_such_key=1"], "cannot compose preset"),
         (["qwen3_1p7b_h100_1x8", "--gpu-memory-gib", "-1"], "--gpu-memory-gib must be > 0"),
+        (["qwen3_1p7b_h100_1x8", "--host-memory-gib", "0"], "--host-memory-gib must be > 0"),
         (["qwen3_1p7b_h100_1x8", "trainer.nnodes=abc"], "trainer.nnodes must be an integer, got 'abc'"),
         (["qwen3_30b_a3b_h100_2x8", f"{MG}.tensor_model_parallel_size=two"], "tensor_model_parallel_size must be an"),
         (["qwen3_1p7b_h100_1x8", "actor_rollout_ref.rollout.gpu_memory_utilization=high"], "must be a number"),

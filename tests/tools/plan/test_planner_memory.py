@@ -10,7 +10,13 @@ import pytest
 
 from respo_verl.layout.models import QWEN3_1P7B, QWEN3_30B_A3B, ModelConfigError, ModelShape, shape_from_hf_config
 from respo_verl.layout.parallel import Layout
-from respo_verl.tools.plan.memory import GIB, RUNTIME_RESERVE_GIB, VLLM_OVERHEAD_GIB, estimate_memory
+from respo_verl.tools.plan.memory import (
+    GIB,
+    RUNTIME_RESERVE_GIB,
+    VLLM_OVERHEAD_GIB,
+    estimate_memory,
+    memory_violations,
+)
 
 # L = 2, h = 64, 4 heads / 2 KV heads of 16, vocab 50, dense FFN 128, untied.
 TINY = ModelShape("tiny", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
@@ -109,8 +115,29 @@ def test_moe_expert_sharding_and_replay_payload_by_hand():
     assert mem.params_per_gpu == int(dense + 2 * 4 * expert / 4)
     # optimizer: dense over DP = 4 / 1, experts over expert-DP = 4 / 4 = 1
     assert mem.optimizer_gib * GIB == pytest.approx(12 * (dense / 4 + 2 * expert))
-    # replay: batch 2 * n 3 * 30 tokens * 2 layers * top-2 * int16
-    assert mem.replay_step_gib * GIB == pytest.approx(2 * 3 * 30 * 2 * 2 * 2)
+    # replay: batch 2 * n 3 * 30 tokens * 2 layers * top-2, one byte per id (R3's uint8, 4 experts)
+    assert mem.replay_step_gib * GIB == pytest.approx(2 * 3 * 30 * 2 * 2 * 1)
+    assert mem.replay_sample_mib * 2**20 == 30 * 2 * 2 and mem.replay_index_bytes == 1
+    # int16 for R2 (verl's trainer records them) and above 256 experts
+    r2 = estimate_memory(moe, dataclasses.replace(lay, replay="r2"), gpu_gib=80.0)
+    wide = estimate_memory(dataclasses.replace(moe, num_experts=257), lay, gpu_gib=80.0)
+    assert r2.replay_step_gib == wide.replay_step_gib == 2 * mem.replay_step_gib
+    assert estimate_memory(dataclasses.replace(moe, num_experts=256), lay, gpu_gib=80.0).replay_index_bytes == 1
+
+
+def test_r3_routes_of_a_step_are_held_against_the_taskrunner_node_s_object_store():
+    lay = dataclasses.replace(_megatron(), train_batch_size=1024, rollout_n=8, max_prompt_length=1024,
+                              max_response_length=8192, replay="r3")  # fmt: skip
+    # 1024 * 8 samples * 9216 tokens * 48 layers * top-8, uint8: 27 GiB
+    step = estimate_memory(QWEN3_30B_A3B, lay, gpu_gib=80.0, host_gib=2e12 / GIB)
+    assert step.replay_step_gib == pytest.approx(27.0) and step.object_store_gib == pytest.approx(200e9 / GIB)
+    assert not [v for v in memory_violations(lay, step) if v.rule == "routing-replay-host"]
+    small = estimate_memory(QWEN3_30B_A3B, lay, gpu_gib=80.0, host_gib=64.0)  # 30 % of 64 GiB < 27 GiB
+    assert small.object_store_gib == pytest.approx(0.3 * 64)
+    (refused,) = [v for v in memory_violations(lay, small) if v.rule == "routing-replay-host"]
+    assert "27.0 GiB" in refused.message and "data.train_batch_size" in refused.message
+    off = dataclasses.replace(lay, replay="off")  # nothing travels: shown, not held
+    assert not [v for v in memory_violations(off, small) if v.rule == "routing-replay-host"]
 
 
 def test_shipped_models_match_published_sizes():
