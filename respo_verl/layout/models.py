@@ -34,6 +34,7 @@ class ModelShape:
         moe_topk: experts each token is routed to.
         moe_ffn_hidden_size: intermediate width of one expert.
         num_moe_layers: layers whose MLP is an MoE block (the rest are dense).
+        model_type: the config's ``model_type`` (``qwen3``, ``qwen3_moe``), where it is read from one.
     """
 
     name: str
@@ -49,6 +50,7 @@ class ModelShape:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
     num_moe_layers: int = 0
+    model_type: str = ""
 
     @property
     def is_moe(self) -> bool:
@@ -217,6 +219,7 @@ def shape_from_hf_config(path: str | Path) -> ModelShape:
             moe_topk=int(cfg.get("num_experts_per_tok", 0) or 0),
             moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size", 0) or 0),
             num_moe_layers=_moe_layer_count(cfg, num_layers) if num_experts else 0,
+            model_type=str(cfg.get("model_type") or ""),
         )
     except (TypeError, ValueError) as err:
         raise ModelConfigError(f"model config {path} has a non-numeric shape field: {err}") from err

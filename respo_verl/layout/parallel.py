@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from respo_verl.routing.mode import replay_mode
+
 
 class LayoutError(ValueError):
     """A layout key whose value is not of the kind verl reads (the message names the key)."""
@@ -69,7 +71,7 @@ class Layout:
     rollout_max_num_seqs: int = 1024
     rollout_name: str | None = None
     free_cache_engine: bool = True
-    router_replay_mode: str = "disabled"
+    replay: str = "off"  # routing replay: off, r2, r3 (respo_verl.routing.mode)
 
     @property
     def world(self) -> int:
@@ -202,7 +204,7 @@ def layout_from_config(cfg: DictConfig) -> Layout:
             ),
             param_offload=_bool(cfg, f"{mg}.param_offload", False),
             optimizer_offload=_bool(cfg, f"{mg}.optimizer_offload", False),
-            router_replay_mode=str(_get(cfg, f"{mg}.router_replay.mode", "disabled")),
+            replay=replay_mode(cfg),
         )
     fs = f"{actor}.fsdp_config"
     sp = _int(cfg, f"{fs}.ulysses_sequence_parallel_size", 1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from respo_verl.layout.models import ModelShape
 from respo_verl.layout.parallel import Layout
+from respo_verl.routing.mode import REPLAY_KEY, verl_mode
 
 MG = "actor_rollout_ref.actor.megatron"
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -26,6 +27,31 @@ class Violation:
 
     def __str__(self) -> str:
         return f"[{self.rule}] {self.message}"
+
+
+def reuse_violation(train_batch_size: int, mini_batch_size: int) -> Violation | None:
+    """``batch-mini``: a rollout batch that is not a whole number of mini-batches, so that N (optimizer updates per
+    rollout batch) is not an integer; verl would drop the remainder (``DataProto.split``)."""
+    train, mini = train_batch_size, mini_batch_size
+    if mini >= 1 and train % mini == 0:
+        return None
+    return Violation(
+        "batch-mini",
+        f"data.train_batch_size={train} is not a whole number of mini-batches of "
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} (N = {train / max(mini, 1):g}): make it a multiple",
+    )
+
+
+def replay_violation(m: ModelShape, replay: str) -> Violation | None:
+    """``router-replay``: routing replay (``off``, ``r2``, ``r3``) on a model without routed experts, which megatron
+    would start and then fail on at the first replayed forward."""
+    if replay == "off" or m.is_moe:
+        return None
+    return Violation(
+        "router-replay",
+        f"{REPLAY_KEY}={verl_mode(replay)} (routing replay) needs an MoE model; {m.name} is dense "
+        f"(model_type {m.model_type!r})",
+    )
 
 
 def size_violations(lay: Layout) -> list[Violation]:
@@ -200,8 +226,8 @@ def _megatron_rules(m: ModelShape | None, lay: Layout) -> list[Violation]:
                 "actor_rollout_ref.actor.optim.use_precision_aware_optimizer=true",
             )
         )
-    if m is not None and lay.router_replay_mode != "disabled" and not m.is_moe:
-        out.append(Violation("router-replay", f"router_replay.mode={lay.router_replay_mode} needs an MoE model"))
+    if m is not None and (violation := replay_violation(m, lay.replay)):
+        out.append(violation)
     return out
 
 
@@ -234,14 +260,8 @@ def _fsdp_rules(m: ModelShape | None, lay: Layout) -> list[Violation]:
 def _batch_rules(lay: Layout) -> list[Violation]:
     out: list[Violation] = []
     dp = lay.dp
-    if lay.train_batch_size % lay.ppo_mini_batch_size:
-        out.append(
-            Violation(
-                "batch-mini",
-                f"data.train_batch_size {lay.train_batch_size} is not a multiple of ppo_mini_batch_size "
-                f"{lay.ppo_mini_batch_size} (N must be an integer)",
-            )
-        )
+    if violation := reuse_violation(lay.train_batch_size, lay.ppo_mini_batch_size):
+        out.append(violation)
     mini = lay.ppo_mini_batch_size * lay.rollout_n
     if dp and mini % dp:
         out.append(Violation("batch-dp", f"ppo_mini_batch_size × n = {mini} responses do not split over DP = {dp}"))

@@ -12,12 +12,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from respo_verl.routing.mode import REPLAY_KEY, replay_mode, verl_mode
+
 POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
-ROUTER_REPLAY_MODE = "actor_rollout_ref.actor.megatron.router_replay.mode"
 ROUTING_ENGINE = "megatron"  # verl 0.9.1 replays routes on its Megatron engine only
 MODEL_PATH = "actor_rollout_ref.model.path"
-# HF config keys that count a model's routed experts (Qwen3-MoE, Mixtral, DeepSeek).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 class ModelCheckError(ValueError):
@@ -30,10 +29,10 @@ def check_job(cfg: Any, layout: bool = True) -> None:
     Checks:
         - the ``respo`` / ``vespo`` kernel hyperparameters (``actor_rollout_ref.actor.policy_loss.<loss>.*``), with
           the ranges of :mod:`respo_verl.core.config`, when the node is present;
-        - routing replay (``routing=r2|r3``: the actor's ``megatron.router_replay.mode`` is not ``disabled``) with
-          a ``model_engine`` other than ``megatron``;
-        - a rollout batch that is not a whole number of mini-batches (``data.train_batch_size`` and
-          ``actor_rollout_ref.actor.ppo_mini_batch_size``, both in prompts): N would not be an integer;
+        - routing replay (``routing=r2|r3``, :func:`respo_verl.routing.mode.replay_mode`) with a ``model_engine``
+          other than ``megatron``;
+        - a rollout batch that is not a whole number of mini-batches (the layout rule ``batch-mini``, with its own
+          line: N would not be an integer);
         - with ``layout``, the layout rules (:func:`check_layout_rules`).
 
     Args:
@@ -97,12 +96,15 @@ def check_model(cfg: Any) -> None:
     Checks:
         - ``actor_rollout_ref.model.path`` written as a local path (``/``, ``~`` or ``.`` first) that does not exist
           (a hub id such as ``Qwen/Qwen3-1.7B`` is left to verl);
-        - routing replay with a local model whose ``config.json`` has no experts (a dense model).
+        - routing replay with a local model whose ``config.json`` has no experts (the layout rule
+          ``router-replay``, with its own line).
     """
-    import json
     from pathlib import Path
 
     from omegaconf import OmegaConf
+
+    from respo_verl.layout.models import ModelConfigError, shape_from_hf_config
+    from respo_verl.layout.rules import replay_violation
 
     raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
     if raw is None:
@@ -110,16 +112,15 @@ def check_model(cfg: Any) -> None:
     path = Path(str(raw)).expanduser()
     if str(raw).startswith(("/", "~", ".")) and not path.exists():
         raise ModelCheckError(f"{MODEL_PATH}={raw}: no such file or directory")
-    mode = OmegaConf.select(cfg, ROUTER_REPLAY_MODE, default=None)
-    config_json = path / "config.json"
-    if mode is None or str(mode).lower() == "disabled" or not config_json.is_file():
+    mode = replay_mode(cfg)
+    if mode == "off" or not (path / "config.json").is_file():
         return
-    model = json.loads(config_json.read_text())
-    if not any(model.get(key) for key in EXPERT_COUNT_KEYS):
-        raise ModelCheckError(
-            f"{ROUTER_REPLAY_MODE}={mode} (routing replay) needs an MoE model; {MODEL_PATH}={raw} is dense "
-            f"({config_json} has none of {list(EXPERT_COUNT_KEYS)}, model_type {model.get('model_type')!r})"
-        )
+    try:
+        shape = shape_from_hf_config(path)
+    except ModelConfigError:
+        return  # not a shape the rules read: left to verl
+    if violation := replay_violation(shape, mode):
+        raise ModelCheckError(f"{violation.message}; {MODEL_PATH}={raw}")
 
 
 class MachineCheckError(ValueError):
@@ -151,15 +152,14 @@ def check_machine(cfg: Any) -> None:
 def _check_reuse(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
+    from respo_verl.layout.rules import reuse_violation
+
     train = OmegaConf.select(cfg, "data.train_batch_size", default=None)
     mini = OmegaConf.select(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", default=None)
     if not isinstance(train, int) or not isinstance(mini, int) or isinstance(train, bool):
         return
-    if mini < 1 or train % mini:
-        raise ValueError(
-            f"data.train_batch_size={train} is not a whole number of mini-batches of "
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} (N = {train / max(mini, 1):g}): make it a multiple"
-        )
+    if violation := reuse_violation(train, mini):
+        raise ValueError(violation.message)
 
 
 def _check_kernel_hyperparameters(cfg: Any) -> None:
@@ -188,11 +188,11 @@ def _check_kernel_hyperparameters(cfg: Any) -> None:
 def _check_routing(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
-    mode = OmegaConf.select(cfg, ROUTER_REPLAY_MODE, default=None)
+    mode = replay_mode(cfg)
     engine = OmegaConf.select(cfg, "model_engine", default=None)
-    if mode is None or str(mode).lower() == "disabled" or engine == ROUTING_ENGINE:
+    if mode == "off" or engine == ROUTING_ENGINE:
         return
     raise ValueError(
         f"routing replay needs model_engine={ROUTING_ENGINE}, got model_engine={engine} "
-        f"with {ROUTER_REPLAY_MODE}={mode}"
+        f"with {REPLAY_KEY}={verl_mode(mode)}"
     )

@@ -1,9 +1,10 @@
 """OmegaConf resolvers the presets use for a run's identity and its checkpoint interval.
 
 :func:`register` registers them (idempotent); the plugin calls it in every verl process and composition calls it
-before composing, so that the presets resolve the same wherever a job is composed or resolved. Imports omegaconf only.
+before composing, so that the presets resolve the same wherever a job is composed or resolved. Imports omegaconf
+and the package's layout rules only.
 
-- ``${respo_verl.run_name:<loss_mode>,<train_batch_size>,<ppo_mini_batch_size>,<seed>,<model path>,<routing>}``:
+- ``${respo_verl.run_name:<loss_mode>,<train_batch_size>,<ppo_mini_batch_size>,<seed>,<model path>,<replay>}``:
   ``<algorithm>_n<N>_seed<seed>_<model folder name>[_<routing>]``, the default experiment name (and so the default
   checkpoint folder) of a run, N = train_batch_size / ppo_mini_batch_size;
 - ``${respo_verl.save_freq:<updates>,<train_batch_size>,<ppo_mini_batch_size>}``: the training-step interval that
@@ -21,22 +22,24 @@ ALGORITHM_OF_LOSS = {"respo": "respo", "vespo": "vespo", "vanilla": "grpo", "gsp
 
 
 def _reuse(train_batch_size, mini_batch_size) -> int:
+    from respo_verl.layout.rules import reuse_violation
+
     train, mini = int(train_batch_size), int(mini_batch_size)
-    if mini < 1 or train % mini:
-        raise ValueError(
-            f"data.train_batch_size={train} is not a whole number of mini-batches of "
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}"
-        )
+    if violation := reuse_violation(train, mini):
+        raise ValueError(violation.message)
     return train // mini
 
 
-def run_name(loss_mode, train_batch_size, mini_batch_size, seed, model_path, routing="off") -> str:
-    """``<algorithm>_n<N>_seed<seed>_<model>[_<routing>]`` (see the module docstring)."""
+def run_name(loss_mode, train_batch_size, mini_batch_size, seed, model_path, replay=None) -> str:
+    """``<algorithm>_n<N>_seed<seed>_<model>[_<routing>]`` (see the module docstring); ``replay`` is verl's
+    ``router_replay.mode`` (None or ``disabled``: no suffix)."""
+    from respo_verl.routing.mode import mode_of
+
     algorithm = ALGORITHM_OF_LOSS.get(str(loss_mode), str(loss_mode))
     model = PurePosixPath(str(model_path).rstrip("/")).name or "model"
     name = f"{algorithm}_n{_reuse(train_batch_size, mini_batch_size)}_seed{seed}_{model}"
-    routing = str(routing).lower()
-    return name if routing in ("off", "disabled", "", "none", "false") else f"{name}_{routing}"
+    mode = mode_of(replay)
+    return name if mode == "off" else f"{name}_{mode}"
 
 
 def save_freq(updates, train_batch_size, mini_batch_size) -> int:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from respo_verl import algorithms
 from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
+from respo_verl.routing.mode import REPLAY_MODES
 from respo_verl.tools.runs.manifest import write_manifest
 from respo_verl.tools.runs.options import reuse_list, seed_list, split_overrides
-from respo_verl.tools.sweep.grid import ROUTING_MODES, SweepSpec, expand
+from respo_verl.tools.sweep.grid import SweepSpec, expand
 from respo_verl.tools.sweep.local import SweepBusy, folder_lock, run_locally, summary
 from respo_verl.tools.sweep.rayjobs import run_on_ray
 from respo_verl.tools.sweep.runner import (
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seeds, comma-separated (default {','.join(map(str, PAPER_SEEDS))})")  # fmt: skip
     p.add_argument("--model", default="model", help="model tag used in run names")
     p.add_argument("--preset", default=None, help="cluster preset, passed as +cluster=<preset>")
-    p.add_argument("--routing", choices=ROUTING_MODES, default=None, help="routing preset")
+    p.add_argument("--routing", choices=REPLAY_MODES, default=None, help="routing preset")
     p.add_argument("--entry", choices=("respo", "verl"), default="respo", help="entry point of the runs")
     p.add_argument("--mini-batch", type=int, default=PAPER_MINI_BATCH, help="prompts per optimizer update")
     p.add_argument("--optimizer-steps", type=int, default=PAPER_OPTIMIZER_STEPS, help="updates per run")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from respo_verl.algorithms import ALGORITHMS
 from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
+from respo_verl.routing.mode import REPLAY_MODES
 from respo_verl.run.compose import ComposeError, compose_job
 from respo_verl.tools.runs.manifest import RunRecord, check_name
 
@@ -54,7 +55,6 @@ SWEPT_KEYS = {
     "trainer.logger": "[console,file]: the report reads verl's file log",
     **{key: "--seeds" for key in (*SEED_KEYS, *ENGINE_SEED_KEYS.values())},
 }
-ROUTING_MODES = ("off", "r2", "r3")
 
 
 class SweepError(ValueError):
@@ -117,8 +117,8 @@ class SweepSpec:
             raise ValueError(f"unknown algorithm(s) {unknown}; choose from {list(ALGORITHMS)}")
         if not self.algorithms or not self.reuse or not self.seeds:
             raise ValueError("the grid is empty: give at least one algorithm, one N and one seed")
-        if self.routing is not None and self.routing not in ROUTING_MODES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
+        if self.routing is not None and self.routing not in REPLAY_MODES:
+            raise ValueError(f"routing must be one of {', '.join(REPLAY_MODES)}, got {self.routing!r}")
         if self.entry not in ENTRY_MODULES:
             raise ValueError(f"entry must be one of {sorted(ENTRY_MODULES)}, got {self.entry!r}")
         for n in self.reuse:

@@ -125,8 +125,8 @@ def connect(address: str):
             raise ClusterError(f"{TOKEN_PATH_ENV}={os.environ[TOKEN_PATH_ENV]}: no such file, or it is empty") from None
         raise ClusterError(
             f"cannot reach the Ray cluster at {address}: the cluster wants a token and {sent} (set "
-            f"{AUTH_MODE_ENV}=token, and {TOKEN_ENV} or {TOKEN_PATH_ENV} to the head's token, docs/cluster.md, "
-            f"Security): {cause}"
+            f"{AUTH_MODE_ENV}=token, and {TOKEN_ENV} or {TOKEN_PATH_ENV} to the head's token, "
+            f"docs/cluster.md, Security): {cause}"
         ) from None
     except Exception as exc:  # ConnectionError (dashboard), ray.exceptions.RpcError (GCS), ValueError (address)
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
