@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,19 +76,24 @@ class CheckpointError(ValueError):
     """A checkpoint the run must not resume from, in one line."""
 
 
-def _plain(cfg: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    for key in PER_ATTEMPT_KEYS:
-        node, *path = key.split(".")
-        parent, leaf = container, node
-        for part in path:
-            parent = parent.get(leaf) if isinstance(parent, dict) else None
-            leaf = part
-        if isinstance(parent, dict):
-            parent.pop(leaf, None)
+def hashed_config(cfg: Any, without: Iterable[str], resolve: bool = True) -> dict:
+    """The configuration as plain data, less the dotted keys ``without``: what :func:`config_hash` hashes."""
+    container = OmegaConf.to_container(cfg, resolve=resolve, throw_on_missing=False)
+    for dotted in without:
+        *parents, leaf = dotted.split(".")
+        node = container
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
     return container
+
+
+def config_hash(cfg: Any, without: Iterable[str], resolve: bool = True) -> str:
+    """sha256 (hex) of :func:`hashed_config`: the identity of a configuration, for a checkpoint's run
+    (:func:`fingerprint`) and for a sweep's runs (the manifest's ``config_hash``)."""
+    blob = json.dumps(hashed_config(cfg, without, resolve), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def summary(cfg: Any) -> dict[str, Any]:
@@ -102,13 +108,12 @@ def summary(cfg: Any) -> dict[str, Any]:
 
 def fingerprint(cfg: Any) -> str:
     """Hash of the composed configuration without :data:`PER_ATTEMPT_KEYS` (16 hex digits)."""
-    blob = json.dumps(_plain(cfg), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return config_hash(cfg, PER_ATTEMPT_KEYS)[:16]
 
 
 def identity(cfg: Any) -> dict:
     """What a checkpoint's :data:`MARKER` says about its run: fingerprint, summary and the hashed configuration."""
-    return {"fingerprint": fingerprint(cfg), "summary": summary(cfg), "config": _plain(cfg)}
+    return {"fingerprint": fingerprint(cfg), "summary": summary(cfg), "config": hashed_config(cfg, PER_ATTEMPT_KEYS)}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

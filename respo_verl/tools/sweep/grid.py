@@ -8,9 +8,7 @@ N is realised as the paper does: ``data.train_batch_size = ppo_mini_batch_size Ã
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 from respo_verl.algorithms import ALGORITHMS
 from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
 from respo_verl.routing.mode import REPLAY_MODES
+from respo_verl.run import checkpoint
 from respo_verl.run.compose import ComposeError, compose_job
 from respo_verl.tools.runs.manifest import RunRecord, check_name
 
@@ -182,19 +181,10 @@ def engine_of_overrides(overrides: Sequence[str]) -> str | None:
     return engines[-1] if engines else None
 
 
-def config_hash(cfg) -> str:
-    """sha256 of the unresolved job configuration without the per-run keys (seeds, run name)."""
-    from omegaconf import OmegaConf
-
-    container = OmegaConf.to_container(cfg, resolve=False)
-    for dotted in PER_RUN_KEYS:
-        node = container
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.get(part, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    return hashlib.sha256(json.dumps(container, sort_keys=True, default=str).encode()).hexdigest()
+def config_hash(job) -> str:
+    """A run's ``config_hash`` in the manifest: :func:`respo_verl.run.checkpoint.config_hash` of the job without the
+    per-run keys (seeds, run name, checkpoint folder), unresolved as manifests have always held it."""
+    return checkpoint.config_hash(job, PER_RUN_KEYS, resolve=False)
 
 
 def _versions() -> dict[str, str]:
