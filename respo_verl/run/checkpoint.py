@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,13 +136,26 @@ def differing_keys(a: dict, b: dict, limit: int = 6) -> list[str]:
     return shown
 
 
-def write_marker_info(folder: Path, info: dict) -> Path:
-    """Write :data:`MARKER` into a checkpoint folder (through a temporary file: a kill leaves no partial marker)."""
-    path = Path(folder) / MARKER
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(info, indent=1, default=str) + "\n")
-    partial.replace(path)
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> Path:
+    """Write ``text`` to ``path`` through a temporary file beside it (``.<name>.<random>``), renamed over it: a
+    reader never sees half of it, a kill leaves no partial file under its name, and a symbolic link planted under
+    its name is replaced, not written through."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_marker_info(folder: Path, info: dict) -> Path:
+    """Write :data:`MARKER` into a checkpoint folder (:func:`write_atomic`)."""
+    return write_atomic(Path(folder) / MARKER, json.dumps(info, indent=1, default=str) + "\n")
 
 
 def file_check(path: Path) -> str:
@@ -163,7 +177,7 @@ def manifest(folder: Path) -> dict[str, dict[str, Any]]:
     folder = Path(folder)
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        if path.parent == folder and path.name in (MARKER, Path(MARKER).with_suffix(".partial").name):
+        if path.parent == folder and (path.name == MARKER or path.name.startswith(f".{MARKER}.")):
             continue
         files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "check": file_check(path)}
     return files

@@ -233,7 +233,7 @@ def test_the_marker_is_complete_json(tmp_path):
     path = _save(tmp_path, 1, cfg)
     info = json.loads((path / checkpoint.MARKER).read_text())
     assert info["fingerprint"] == checkpoint.fingerprint(cfg) and info["summary"]["N"] == 4 and info["step"] == 1
-    assert not list(path.glob("*.partial"))
+    assert not list(path.glob(f".{checkpoint.MARKER}.*"))  # no temporary file left beside it
 
 
 # --- guards --------------------------------------------------------------------------------------------------------

@@ -8,12 +8,11 @@ one setting share it and a changed learning rate does not.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from respo_verl import algorithms
+from respo_verl.run.checkpoint import write_atomic
 from respo_verl.tools.runs.logs import LOG_STEPS
 
 MANIFEST_NAME = "manifest.jsonl"
@@ -97,21 +96,12 @@ class RunRecord:
 def write_manifest(records: list[RunRecord], directory: Path) -> Path:
     """Write ``records`` to ``directory/manifest.jsonl`` (replacing it) and return the path.
 
-    The file is written beside and renamed over the old one: a reader never sees half of it, and a symbolic link
+    Written through :func:`respo_verl.run.checkpoint.write_atomic`: a reader never sees half of it, and a symbolic link
     planted under its name is replaced, not written through.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / MANIFEST_NAME
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write("".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in records))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    text = "".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in records)
+    return write_atomic(directory / MANIFEST_NAME, text)
 
 
 def read_manifest(path: Path) -> list[RunRecord]:
