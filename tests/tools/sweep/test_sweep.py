@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from support.ranks import free_port
 
 from respo_verl.cli import main as cli_main
 from respo_verl.run.compose import compose_job
@@ -146,16 +146,9 @@ def test_other_errors_are_not_reported_as_composition_failures(tmp_path, monkeyp
         cli_main(["sweep", "--print", "--out", str(tmp_path)])
 
 
-def _closed_port() -> int:
-    """A local port nothing listens on (bound, then released): a connection to it is refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("scheme", ["", "http://"])
 def test_an_unreachable_ray_address_is_one_line_and_exit_2(tmp_path, capsys, scheme):
-    address = f"{scheme}127.0.0.1:{_closed_port()}"
+    address = f"{scheme}127.0.0.1:{free_port()}"  # nothing listens: refused at once
     argv = ["sweep", "--ray", address, "--no-compose", "--out", str(tmp_path), "--algos", "respo", "--reuse", "8"]
     start = time.monotonic()
     assert cli_main([*argv, "--seeds", "0"]) == 2
