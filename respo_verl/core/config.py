@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 # Both papers clamp the sequence log-weight to ±20 so that exp() stays finite in fp32 (e^20 ≈ 4.9e8).
 DEFAULT_LOG_W_CLIP = 20.0
@@ -60,8 +61,41 @@ POSITIVE = Range(0.0, low_open=True)
 UNIT_INTERVAL = Range(0.0, low_open=True, high=1.0)  # (0, 1]
 
 
-def _param(default: float, allowed: Range) -> float:
-    return field(default=default, metadata={"range": allowed})
+@dataclass(frozen=True)
+class OneOf:
+    """The words a setting may take."""
+
+    words: tuple[str, ...]
+
+    def check(self, owner: str, key: str, value: object) -> None:
+        if value not in self.words:
+            raise ValueError(f"{owner}.{key} must be one of {', '.join(self.words)}, got {value!r}")
+
+
+def setting(default: Any, allowed: Range | OneOf, optional: bool = False) -> Any:
+    """A config dataclass field with what it allows (and None too where ``optional``), for :func:`check_settings`:
+    the one way a config block of the package states and checks its values."""
+    return field(default=default, metadata={"allowed": allowed, "optional": optional})
+
+
+def check_settings(config: Any, owner: str) -> None:
+    """Check every field of the dataclass ``config`` made with :func:`setting`, raising with ``<owner>.<key>``: a
+    :class:`Range` field must be a finite number in range (an integer where its default is one) and is stored as
+    a float (int), a :class:`OneOf` field one of its words. Call it from ``__post_init__``."""
+    for f in fields(config):
+        allowed, value = f.metadata.get("allowed"), getattr(config, f.name)
+        if allowed is None or (value is None and f.metadata["optional"]):
+            continue
+        if isinstance(allowed, Range):
+            number = _check_number(owner, f.name, value)
+            allowed.check(owner, f.name, number)
+            if isinstance(f.default, int) and not isinstance(f.default, bool):
+                if not number.is_integer():
+                    raise ValueError(f"{owner}.{f.name} must be an integer, got {value!r}")
+                number = int(number)
+            object.__setattr__(config, f.name, number)
+        else:
+            allowed.check(owner, f.name, value)
 
 
 @dataclass(frozen=True)
@@ -75,18 +109,13 @@ class KernelBranch:
 
 @dataclass
 class _KernelConfig:
-    """What every kernel config does at construction: each number checked against its field's :class:`Range`, and
-    ``rollout_is_level`` against :data:`ROLLOUT_IS_LEVELS`, naming the key that is wrong."""
+    """What every kernel config does at construction: :func:`check_settings`, and ``rollout_is_level`` against
+    :data:`ROLLOUT_IS_LEVELS` (null: token), naming the key that is wrong."""
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        for f in fields(self):
-            if f.name == "rollout_is_level":
-                object.__setattr__(self, f.name, _check_rollout_is_level(owner, getattr(self, f.name)))
-                continue
-            value = _check_number(owner, f.name, getattr(self, f.name))
-            f.metadata["range"].check(owner, f.name, value)
-            object.__setattr__(self, f.name, value)
+        object.__setattr__(self, "rollout_is_level", _check_rollout_is_level(owner, self.rollout_is_level))
+        check_settings(self, owner)
 
 
 @dataclass
@@ -104,13 +133,13 @@ class ReSPOConfig(_KernelConfig):
             logs are summed) or ``sequence`` (one weight broadcast over the tokens, taken once). null means token.
     """
 
-    alpha_pos: float = _param(2.0, AT_LEAST_ONE)
-    beta_pos: float = _param(0.5, UNIT_INTERVAL)
-    lambda_pos: float = _param(2.0, NON_NEGATIVE)
-    alpha_neg: float = _param(1.0, AT_LEAST_ONE)
-    beta_neg: float = _param(0.5, UNIT_INTERVAL)
-    lambda_neg: float = _param(2.0, NON_NEGATIVE)
-    log_w_clip: float = _param(DEFAULT_LOG_W_CLIP, POSITIVE)
+    alpha_pos: float = setting(2.0, AT_LEAST_ONE)
+    beta_pos: float = setting(0.5, UNIT_INTERVAL)
+    lambda_pos: float = setting(2.0, NON_NEGATIVE)
+    alpha_neg: float = setting(1.0, AT_LEAST_ONE)
+    beta_neg: float = setting(0.5, UNIT_INTERVAL)
+    lambda_neg: float = setting(2.0, NON_NEGATIVE)
+    log_w_clip: float = setting(DEFAULT_LOG_W_CLIP, POSITIVE)
     rollout_is_level: str | None = "token"
 
     @property
@@ -133,11 +162,11 @@ class VESPOConfig(_KernelConfig):
         rollout_is_level: as in :class:`ReSPOConfig`.
     """
 
-    k_pos: float = _param(2.0, NON_NEGATIVE)
-    lambda_pos: float = _param(3.0, NON_NEGATIVE)
-    k_neg: float = _param(3.0, NON_NEGATIVE)
-    lambda_neg: float = _param(2.0, NON_NEGATIVE)
-    log_w_clip: float = _param(DEFAULT_LOG_W_CLIP, POSITIVE)
+    k_pos: float = setting(2.0, NON_NEGATIVE)
+    lambda_pos: float = setting(3.0, NON_NEGATIVE)
+    k_neg: float = setting(3.0, NON_NEGATIVE)
+    lambda_neg: float = setting(2.0, NON_NEGATIVE)
+    log_w_clip: float = setting(DEFAULT_LOG_W_CLIP, POSITIVE)
     rollout_is_level: str | None = "token"
 
 

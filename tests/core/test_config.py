@@ -52,3 +52,33 @@ def test_boundary_values_are_accepted_and_ints_become_floats():
     assert cfg.positive.alpha == 1.0 and isinstance(cfg.alpha_pos, float)
     assert cfg.rollout_is_level == "token"
     assert ReSPOConfig(rollout_is_level="sequence").rollout_is_level == "sequence"
+
+
+def test_check_settings_states_ranges_words_integers_and_null_in_one_line_each():
+    from dataclasses import dataclass
+
+    from respo_verl.core.config import UNIT_INTERVAL, OneOf, Range, check_settings, setting
+
+    @dataclass
+    class Block:
+        share: float = setting(0.5, UNIT_INTERVAL)
+        steps: int = setting(3, Range(1.0))
+        mode: str = setting("stop", OneOf(("stop", "warn", "off")))
+        bound: float | None = setting(None, UNIT_INTERVAL, optional=True)
+
+        def __post_init__(self) -> None:
+            check_settings(self, "block")
+
+    assert Block(share=1, steps=2.0) == Block(share=1.0, steps=2)  # numbers stored as floats, integers as int
+    assert isinstance(Block(steps=2.0).steps, int)
+    for kwargs, message in [
+        ({"share": 0.0}, "block.share must be in (0, 1], got 0.0"),
+        ({"steps": 2.5}, "block.steps must be an integer, got 2.5"),
+        ({"steps": 0}, "block.steps must be >= 1, got 0.0"),
+        ({"mode": 1e-12}, "block.mode must be one of stop, warn, off, got 1e-12"),
+        ({"bound": 2}, "block.bound must be in (0, 1], got 2.0"),
+        ({"share": "a"}, "block.share must be a number, got 'a' (str)"),
+    ]:
+        with pytest.raises((ValueError, TypeError)) as info:
+            Block(**kwargs)
+        assert str(info.value) == message
