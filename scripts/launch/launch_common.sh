@@ -18,12 +18,12 @@ if ! "$PYTHON" -c "import respo_verl" >/dev/null 2>&1; then
 fi
 
 # The algorithm presets, routing modes and the paper's protocol (prompts per mini-batch, optimizer updates per run),
-# read from the package: respo_verl/algorithms.py, respo_verl/tools/sweep/grid.py, respo_verl/protocol.py.
+# read from the package: respo_verl/algorithms.py, respo_verl/routing/mode.py, respo_verl/protocol.py.
 read -r ALGOS ROUTINGS PROMPTS_PER_UPDATE TOTAL_UPDATES < <("$PYTHON" -c "
 from respo_verl.algorithms import ALGORITHMS
 from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS
-from respo_verl.tools.sweep.grid import ROUTING_MODES
-print(','.join(ALGORITHMS), ','.join(ROUTING_MODES), PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS)")
+from respo_verl.routing.mode import REPLAY_MODES
+print(','.join(ALGORITHMS), ','.join(REPLAY_MODES), PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS)")
 choices() { local items="${1//,/, }"; echo "${items%, *} or ${items##*, }"; }  # a,b,c -> "a, b or c"
 if [[ ",$ALGOS," != *",$ALGO,"* ]]; then echo "ALGO must be $(choices "$ALGOS") (got '$ALGO')" >&2; exit 2; fi
 if [[ -n "$ROUTING" && ",$ROUTINGS," != *",$ROUTING,"* ]]; then
