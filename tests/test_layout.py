@@ -206,7 +206,7 @@ def test_every_docs_reference_in_code_names_a_page_and_heading_that_exist():
     assert not missing
 
 
-# Names of the package in the project's text: a dotted module path (``respo_verl.run.trainer.STOPPED_KEY``), a file
+# Names of the package in the project's text: a dotted module path (``respo_verl.run.guards.STOPPED_KEY``), a file
 # path (``respo_verl/run/trainer.py``) or a command (``respo-verl plan``). After a move or a removal, text that still
 # names the old place sends a reader nowhere.
 TEXT_FOLDERS = (*CODE_FOLDERS, "tests", "docs", "patches")

@@ -35,7 +35,6 @@ from omegaconf import OmegaConf
 
 MARKER = "respo_verl_run.json"
 TRACKER = "latest_checkpointed_iteration.txt"
-STOP_FILE = "STOP"
 # The integrity check of a file reads this much at its start and as much at its end: headers, and the tail where a
 # zip archive (torch.save) keeps its central directory, which a truncated or half-copied file loses first.
 CHECK_BYTES = 64 * 1024
@@ -210,12 +209,6 @@ def marker_problem(folder: Path) -> tuple[str | None, bool]:
     if files is None:
         return None, False
     return verify(folder, files), True
-
-
-def stop_request(cfg: Any, cwd: Path | None = None) -> Path:
-    """The file whose existence asks the run to save and stop at the end of its step (the entry point writes it on
-    SIGTERM): ``STOP`` in the run's checkpoint folder."""
-    return checkpoint_folder(cfg, cwd) / STOP_FILE
 
 
 def _describe(info: dict) -> str:

@@ -4,8 +4,8 @@
 guards on and a resume from another run's checkpoint or from a damaged one (the job's own checks are
 :mod:`respo_verl.run.jobcheck`'s). :func:`train` checks the machine, the model and the data before Ray, validates the
 job as verl's own entry point does, and starts verl's TaskRunner with three hooks that run once Ray is up: the node
-preflight (:mod:`respo_verl.run.preflight`), the SIGTERM handler (save at the end of the step, then stop) and the
-watchdog's phase deadline (:func:`watch_phases`). A Ray cluster the driver starts itself is stopped once the driver
+preflight (:mod:`respo_verl.run.preflight`), the watchdog (:func:`start_watchdog`) and the SIGTERM handler (save
+at the end of the step, then stop). A Ray cluster the driver starts itself is stopped once the driver
 has ended, however it ended (:mod:`respo_verl.run.reaper`).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import signal
 import sys
-from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -23,7 +22,9 @@ from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
 
 PROG = "respo_verl.main_ppo"  # how the run's own lines name it
 _REAPER = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
-_PHASE_DEADLINE = None  # the watchdog's phase deadline (respo_verl.run.watchdog.PhaseDeadline) of this driver's run
+# A file the watchdog appends each phase record it reads to (respo_verl.run.watchdog.Watchdog's trace).
+WATCHDOG_TRACE_ENV = "RESPO_VERL_WATCHDOG_TRACE"
+_WATCHDOG = None  # the watchdog (respo_verl.run.watchdog.Watchdog) of this driver's run
 
 
 def with_driver_hooks(runner_cls, config: DictConfig):
@@ -45,8 +46,8 @@ def with_driver_hooks(runner_cls, config: DictConfig):
         except RuntimeError as exc:  # check_ray_nodes raises RuntimeError only for a failed preflight
             print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_REFUSED) from None
-        stop_on_sigterm(config)
-        watch_phases(config)
+        start_watchdog(config)
+        stop_on_sigterm()
 
     class _HookedTaskRunner:
         @staticmethod
@@ -78,28 +79,28 @@ def stop_local_ray_with_driver():
     return _REAPER
 
 
-def watch_phases(config: DictConfig):
-    """With the respo-verl trainer and its guards on, start the watchdog's phase deadline in this driver
-    (:class:`respo_verl.run.watchdog.PhaseDeadline`): it reads the trainer's phase record every 2 s and, when a
-    phase has made no progress for ``run_guard.max_phase_s``, interrupts the driver's wait for the trainer; the
-    entry point then prints the stop's line and exits with its status. A record left by an earlier attempt is
-    removed first. Returns the deadline, or None."""
+def start_watchdog(config: DictConfig):
+    """With the respo-verl trainer, start the watchdog in this driver (:class:`respo_verl.run.watchdog.Watchdog`):
+    it reads the trainer's phase record every 2 s through Ray and, when a phase has made no progress for its bound
+    (with the run guards on), interrupts the driver's wait for the trainer; the entry point then prints the stop's
+    line and exits with its status. It also carries the SIGTERM stop request to the trainer. Returns it, or None."""
     import _thread
+    import os
 
-    from respo_verl.run import checkpoint
     from respo_verl.run.guards import GuardConfig
-    from respo_verl.run.watchdog import PhaseDeadline, phase_file
+    from respo_verl.run.watchdog import PHASE, STOP, Records, Watchdog
 
-    global _PHASE_DEADLINE
-    guard = GuardConfig.from_config(config.get("run_guard"))
-    if not uses_respo_trainer(config) or not guard.enable:
+    global _WATCHDOG
+    if not uses_respo_trainer(config):
         return None
-    path = phase_file(checkpoint.checkpoint_folder(config))
-    path.unlink(missing_ok=True)
-    _PHASE_DEADLINE = PhaseDeadline(path, guard)
+    records = Records()
+    for name in (PHASE, STOP):  # a record of an earlier driver of this job (a resubmitted Ray job)
+        records.delete(name)
+    trace = os.environ.get(WATCHDOG_TRACE_ENV)
+    _WATCHDOG = Watchdog(records, GuardConfig.from_config(config.get("run_guard")), trace=trace)
     interruptible_main()
-    _PHASE_DEADLINE.start(on_stop=_thread.interrupt_main)
-    return _PHASE_DEADLINE
+    _WATCHDOG.start(on_stop=_thread.interrupt_main)
+    return _WATCHDOG
 
 
 def interruptible_main() -> None:
@@ -107,44 +108,36 @@ def interruptible_main() -> None:
 
     It does so only where SIGINT has a Python handler, and a process started in the background by a non-interactive
     shell (``nohup``, ``cmd &``, many batch scripts) inherits SIGINT ignored: Python then installs none, and the
-    phase deadline's interrupt did nothing (a driver so started sat in a hung weight sync past every bound). A SIGINT
+    watchdog's interrupt did nothing (a driver so started sat in a hung weight sync past every bound). A SIGINT
     that is ignored or left to the system gets Python's own handler back.
     """
     if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def stop_on_sigterm(config: DictConfig) -> Path | None:
+def stop_on_sigterm() -> bool:
     """Turn SIGTERM (Slurm's ``--signal``, a Kubernetes eviction) into a request to save and stop.
 
-    With the respo-verl trainer (``trainer.use_v1``, ``trainer.v1.trainer_mode=respo_sync``), the handler writes the
-    run's stop request (:func:`respo_verl.run.checkpoint.stop_request`); the trainer, in its Ray actor, saves a
-    checkpoint at the end of the step it is in and ends the run, and this process exits 0. A stale request of an
-    earlier attempt is removed first. Any other trainer keeps Python's default (the process ends at once). Returns
-    the request's path, or None when the handler was not installed.
+    With the respo-verl trainer (its watchdog started, :func:`start_watchdog`), the handler asks the watchdog to
+    send the stop request to the trainer through Ray; the trainer, in its Ray actor, saves a checkpoint at the end of
+    the step it is in and ends the run, and this process exits 0. Any other trainer keeps Python's default (the
+    process ends at once). Returns whether the handler was installed.
     """
-    from respo_verl.run import checkpoint
-
-    if not uses_respo_trainer(config):
-        return None
-    request = checkpoint.stop_request(config)
-    request.unlink(missing_ok=True)
+    if _WATCHDOG is None:
+        return False
 
     def _request_stop(signum, frame):
-        request.parent.mkdir(parents=True, exist_ok=True)
-        request.touch()
-        if _PHASE_DEADLINE is not None:
-            _PHASE_DEADLINE.request_stop()
+        _WATCHDOG.request_stop()
         print(
-            f"{PROG}: {signal.Signals(signum).name}: the trainer saves at the end of this step and "
-            f"stops ({request}), or ends without saving if the step makes no progress for "
-            "run_guard.max_stall_after_stop_s; send SIGKILL to end at once",
+            f"{PROG}: {signal.Signals(signum).name}: the trainer saves at the end of this step and stops, or ends "
+            "without saving if the step makes no progress for run_guard.max_stall_after_stop_s; send SIGKILL to end "
+            "at once",
             file=sys.stderr,
             flush=True,
         )
 
     signal.signal(signal.SIGTERM, _request_stop)
-    return request
+    return True
 
 
 def uses_respo_trainer(config: DictConfig) -> bool:
@@ -205,11 +198,11 @@ def train(config: DictConfig, check_loss=None) -> None:
         runner_cls = TaskRunnerV1
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
-    global _PHASE_DEADLINE
+    global _WATCHDOG
     try:
         run_ppo(config, task_runner_class=with_driver_hooks(runner_cls, config))
-    except KeyboardInterrupt:  # the phase deadline interrupts the wait for the trainer (or a Ctrl-C does)
-        stopped = _PHASE_DEADLINE.stopped if _PHASE_DEADLINE is not None else None
+    except KeyboardInterrupt:  # the watchdog interrupts the wait for the trainer (or a Ctrl-C does)
+        stopped = _WATCHDOG.stopped if _WATCHDOG is not None else None
         if stopped is None:
             raise
         stop = stop_of(stopped, PROG)
@@ -222,8 +215,8 @@ def train(config: DictConfig, check_loss=None) -> None:
             raise
         raise SystemExit(stop.status) from None
     finally:
-        if _PHASE_DEADLINE is not None:
-            _PHASE_DEADLINE.close()
-            _PHASE_DEADLINE = None
+        if _WATCHDOG is not None:
+            _WATCHDOG.close()
+            _WATCHDOG = None
         if ray.is_initialized():
             ray.shutdown()

@@ -15,30 +15,41 @@ EXIT_ERROR = 1  # an error the run does not know: the one line, then its traceba
 EXIT_REFUSED = 2  # the job was refused before it started (a check of the job, the data, the machine, a node)
 EXIT_GUARD = 3  # a run guard on a step's metrics or data (failed samples, a collapsed policy, non-finite values)
 EXIT_ACTOR_DIED = 4  # a process the step waits on died (a Ray actor: worker, server, reward worker, ...)
-EXIT_STALLED = 5  # the watchdog: no sample finished and no update for run_guard.max_stall_s
+EXIT_STALLED = 5  # the watchdog: generation or validation finished no sample for run_guard.max_stall_s
 EXIT_STALLED_AFTER_STOP = 6  # SIGTERM arrived and the step then made no progress for run_guard.max_stall_after_stop_s
-EXIT_PHASE_STALLED = (
-    7  # the watchdog's phase deadline: no phase of a step ended, no progress, for run_guard.max_phase_s
-)
+EXIT_PHASE_STALLED = 7  # the watchdog: any other phase of a step made no progress for run_guard.max_phase_s
 
 # Ray's error text for a dead actor goes on with advice about every possible cause; the line keeps what happened.
 _RAY_ADVICE = re.compile(r"\s*(Some common causes include|There are some potential root causes|Check the).*", re.S)
 MAX_CAUSE_CHARS = 600  # a cause longer than this is cut: the line must stay one line a person reads
-# What a Ray actor of a verl run does, by the end of its class name as Ray reports it (verl's colocated worker class
-# is ``create_colocated_worker_cls.<locals>.WorkerDict``): the name a stop line gives it, before its class and pid.
+# The actors of a verl 0.9.1 run, by the role a stop line gives them: the one table of actor kinds. Each role lists
+# the ends of the class names Ray reports for its actors (verl's colocated worker class is
+# ``create_colocated_worker_cls.<locals>.WorkerDict``), and the trainer's attribute that holds a worker group of it.
+UPDATE_WORKER = "update worker"  # verl's colocated worker: the policy's update, old log-probs, reference
+REFERENCE_WORKER = "reference worker"
+CRITIC_WORKER = "critic worker"
+TRAINER = "trainer"  # verl's TaskRunner: the process the respo-verl trainer runs in
+AGENT_LOOP_WORKER = "agent-loop worker"
+REWARD_WORKER = "reward worker"
+ROLLOUT_SERVER = "rollout server"
+LOAD_BALANCER = "rollout load balancer"
 ACTOR_ROLES = (
-    ("WorkerDict", "update worker"),  # verl's colocated worker: the policy's update, old log-probs, reference
-    ("TaskRunner", "trainer"),  # verl's TaskRunner: the process the respo-verl trainer runs in
-    ("TaskRunnerV1", "trainer"),
-    ("AgentLoopWorker", "agent-loop worker"),
-    ("AgentLoopWorkerTQ", "agent-loop worker"),
-    ("RewardLoopWorker", "reward worker"),
-    ("LoadBalancer", "rollout load balancer"),
-    ("HttpServer", "rollout server"),
-    ("RolloutServer", "rollout server"),
+    ("WorkerDict", UPDATE_WORKER),
+    ("TaskRunner", TRAINER),
+    ("TaskRunnerV1", TRAINER),
+    ("AgentLoopWorker", AGENT_LOOP_WORKER),
+    ("AgentLoopWorkerTQ", AGENT_LOOP_WORKER),
+    ("RewardLoopWorker", REWARD_WORKER),
+    ("LoadBalancer", LOAD_BALANCER),
+    ("HttpServer", ROLLOUT_SERVER),
+    ("RolloutServer", ROLLOUT_SERVER),
     ("StorageUnit", "TransferQueue storage"),
     ("Controller", "TransferQueue controller"),
 )
+# The worker groups of verl's V1 trainer (``trainer.<attribute>``) by the role of their actors.
+WORKER_GROUPS = {UPDATE_WORKER: "actor_rollout_wg", REFERENCE_WORKER: "ref_policy_wg", CRITIC_WORKER: "critic_wg"}
+# What generation and validation wait on.
+GENERATION_ACTORS = (AGENT_LOOP_WORKER, REWARD_WORKER, ROLLOUT_SERVER, LOAD_BALANCER)
 
 
 class RunStopped(RuntimeError):
@@ -62,24 +73,24 @@ class ActorDied(RunStopped):
 
 
 class StepStalled(RunStopped):
-    """The step made no progress for the watchdog's bound; the message names the step, what it waited for, the
-    bound."""
+    """Generation or validation finished no sample for the watchdog's bound; the message names the step, what it
+    waited for, the bound."""
 
     exit_status = EXIT_STALLED
     what = "watchdog"
 
 
 class StalledAfterStop(StepStalled):
-    """SIGTERM arrived while the step waited, and it then made no progress for the shorter bound."""
+    """SIGTERM arrived, and the step then made no progress for the shorter bound."""
 
     exit_status = EXIT_STALLED_AFTER_STOP
     what = "watchdog after SIGTERM"
 
 
 class PhaseStalled(RunStopped):
-    """A phase of a step (generation, old log-probs, the update, the weight sync, the save, ...) neither ended nor
-    reported progress within the watchdog's phase deadline; the message names the step, the phase, the actors it
-    waits on and the bound."""
+    """A phase of a step other than generation and validation (old log-probs, the update, the weight sync, the
+    save, ...) neither ended nor made progress within the watchdog's phase deadline; the message names the step, the
+    phase, the actors it waits on and the bound."""
 
     exit_status = EXIT_PHASE_STALLED
     what = "watchdog, phase deadline"
@@ -138,15 +149,21 @@ def _one_line(text: str) -> str:
     return text if len(text) <= MAX_CAUSE_CHARS else text[: MAX_CAUSE_CHARS - 3] + "..."
 
 
+def died_actor_error(chain: list[BaseException]) -> BaseException | None:
+    """The innermost Ray ``ActorDiedError`` of ``chain`` (:func:`causes`), by class name: this module imports no
+    Ray."""
+    return next((e for e in reversed(chain) if any(c.__name__ == "ActorDiedError" for c in type(e).__mro__)), None)
+
+
 def stop_for_error(exc: BaseException, step: int) -> RunStopped | None:
     """The stop for an error that ended a step where no watch was waiting (a ``ray.get`` of the step): a dead Ray
     actor (:class:`ActorDied`, its class, pid and Ray's cause), or non-finite values refused by the loss
     (``FloatingPointError``, :class:`NonFinite`); None for any other error."""
     chain = causes(exc)
-    for inner in reversed(chain):
-        if any(cls.__name__ == "ActorDiedError" for cls in type(inner).__mro__):
-            who, reason = actor_died_cause(inner)
-            return ActorDied(f"step {step}: {who} has died while the step waited for it: {reason}")
+    died = died_actor_error(chain)
+    if died is not None:
+        who, reason = actor_died_cause(died)
+        return ActorDied(f"step {step}: {who} has died while the step waited for it: {reason}")
     for inner in reversed(chain):
         if isinstance(inner, FloatingPointError):
             first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
@@ -169,10 +186,10 @@ def stop_of(exc: BaseException, prog: str) -> Stop:
             return Stop(
                 f"{prog}: stopped ({inner.what}, exit {inner.exit_status}): {_one_line(str(inner))}", inner.exit_status
             )
-    for inner in reversed(chain):
-        if any(cls.__name__ == "ActorDiedError" for cls in type(inner).__mro__):
-            who, reason = actor_died_cause(inner)
-            return Stop(f"{prog}: stopped (dead actor, exit {EXIT_ACTOR_DIED}): {who} died: {reason}", EXIT_ACTOR_DIED)
+    died = died_actor_error(chain)
+    if died is not None:
+        who, reason = actor_died_cause(died)
+        return Stop(f"{prog}: stopped (dead actor, exit {EXIT_ACTOR_DIED}): {who} died: {reason}", EXIT_ACTOR_DIED)
     innermost = chain[-1]
     first = str(innermost).strip().splitlines()[0] if str(innermost).strip() else ""
     return Stop(

@@ -311,15 +311,15 @@ def _bare_trainer(monkeypatch, step_metrics: dict):
     Tracking a recorder of what each backend would get."""
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from respo_verl.run.trainer import _trainer_class
+    from respo_verl.run.respo_trainer import RespoTrainer
 
     def verl_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         metrics.update(step_metrics)
 
     monkeypatch.setattr(PPOTrainerSync, "_compute_metrics", verl_metrics)
-    cls = _trainer_class()
-    trainer = cls.__new__(cls)
+    trainer = RespoTrainer.__new__(RespoTrainer)  # its __init__ would build verl's whole trainer
     trainer._guards = StepGuards(GuardConfig())
+    trainer._unmarked_step, trainer._stopping = None, False
     trainer.config = OmegaConf.create({"data": {"train_batch_size": 2}, "actor_rollout_ref": {"rollout": {"n": 2}}})
 
     class Tracking:
@@ -374,9 +374,9 @@ def test_disabled_guards_never_stop():
 @pytest.mark.parametrize(
     ("node", "match"),
     [
-        ({"max_failed_share": 2}, r"run_guard.max_failed_share=2 must be in \[0, 1\]"),
-        ({"collapse_steps": 0}, r"run_guard.collapse_steps=0 must be >= 1"),
-        ({"min_entropy": -1}, r"run_guard.min_entropy=-1 must be >= 0"),
+        ({"max_failed_share": 2}, r"run_guard.max_failed_share must be in \[0, 1\], got 2"),
+        ({"collapse_steps": 0}, r"run_guard.collapse_steps must be >= 1, got 0"),
+        ({"min_entropy": -1}, r"run_guard.min_entropy must be >= 0, got -1"),
         ({"max_clamp": 0.1}, r"run_guard has no key\(s\) \['max_clamp'\]"),
     ],
 )

@@ -1,5 +1,5 @@
 """A rollout server whose inference engine died inside its living actor (vLLM's engine core process ended: Ray still
-sees the server's actor alive). :func:`respo_verl.run.watchdog.engine_dead` runs in the server's actor through Ray's
+sees the server's actor alive). :func:`respo_verl.run.liveness.engine_dead` runs in the server's actor through Ray's
 ``__ray_call__``; here it reads stand-ins with the two attributes it reads of vLLM's ``AsyncLLM`` (``errored``,
 ``dead_error``), since an engine that died needs a vLLM engine core to kill: tests/cpu/test_cpu_vllm.py kills a real
 one in a run."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from respo_verl.run.watchdog import engine_dead
+from respo_verl.run.liveness import engine_dead
 
 
 class EngineDeadError(RuntimeError):

@@ -1,13 +1,18 @@
-"""How a run that cannot go on stops: the line and exit status the entry point gives each stop, and the watch the
-respo-verl trainer keeps over verl's replay buffer while a step waits for its samples.
+"""How a run that cannot go on stops: the line and exit status the entry point gives each stop, and the watchdog: the
+trainer's phase record (with the sample wait on verl's replay buffer) held by the driver against its bounds.
 
-Ray's own exception classes wrap the stops as the driver receives them; the watch runs on verl 0.9.1's real
-``ReplayBuffer`` with a clock the test moves. End to end (a killed reward worker, a reward that never returns):
-tests/cpu/test_cpu_stops.py.
+Ray's own exception classes wrap the stops as the driver receives them; the sample wait runs on verl 0.9.1's real
+``ReplayBuffer``, and the watchdog with a clock the test moves. The records go through :class:`KV`, a stand-in for
+Ray's key-value store (the fast tier starts no Ray; tests/run/test_liveness.py carries them through a real one). End
+to end (a killed reward worker, a reward that never returns, a frozen worker): tests/cpu/test_cpu_stops.py and
+tests/cpu/test_cpu_hangs.py.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,7 @@ from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from respo_verl.run.guards import GuardConfig
+from respo_verl.run.liveness import WATCH_PATCH_NAME, SampleWait, watch_replay_buffer
 from respo_verl.run.stops import (
     EXIT_ACTOR_DIED,
     EXIT_ERROR,
@@ -32,7 +38,7 @@ from respo_verl.run.stops import (
     stop_for_error,
     stop_of,
 )
-from respo_verl.run.watchdog import WATCH_PATCH_NAME, SampleWaitWatch, watch_replay_buffer
+from respo_verl.run.watchdog import PhaseBoard, Watchdog
 
 PROG = "respo_verl.main_ppo"
 # Ray 2.60's reason for a worker process killed with SIGKILL (seen in tests/cpu/test_cpu_stops.py's run)
@@ -129,74 +135,99 @@ def _buffer(refill=None):
     return ReplayBuffer("sync", {}, None, "drop", {}, poll_interval=0.0, refill_fn=refill)
 
 
-def _watch(clock, stop=lambda: False, **guard):
-    return SampleWaitWatch(GuardConfig(**guard), actors=[], stop_requested=stop, clock=clock)
+class KV(dict):
+    """A stand-in for :class:`respo_verl.run.watchdog.Records`: the records as JSON, in this process."""
+
+    def put(self, name, value):
+        self[name] = json.loads(json.dumps(value))
+
+    def delete(self, name):
+        self.pop(name, None)
+
+
+def _watchdog(clock, **guard):
+    records = KV()
+    return PhaseBoard(records), Watchdog(records, GuardConfig(**guard), clock=clock)
 
 
 def test_the_watchdog_stops_a_step_that_finishes_no_sample_for_its_bound():
     clock, buffer = Clock(), _buffer()
-    watch = _watch(clock, max_stall_s=60)
-    watch.progressed(3)
+    board, watchdog = _watchdog(clock, max_stall_s=60)
+    wait = SampleWait([], board, clock=clock)
+    wait.begin(3)
+    board.enter(3, "generation", "1 agent-loop worker")
+    assert watchdog.check() is None
     buffer.running_keys["train"].update({"uid-a", "uid-b"})
     clock.now += 59
-    watch.check(buffer, "train")
+    wait.check(buffer, "train")
+    assert watchdog.check() is None
     buffer.partitions["train"]["uid-a_0_0"] = {"status": "success"}  # a sample finished: the clock starts again
     clock.now += 59
-    watch.check(buffer, "train")
+    wait.check(buffer, "train")
+    assert watchdog.check() is None
     clock.now += 59
-    watch.check(buffer, "train")
+    wait.check(buffer, "train")
+    assert watchdog.check() is None
     clock.now += 2
-    with pytest.raises(StepStalled) as stalled:
-        watch.check(buffer, "train")
-    assert str(stalled.value) == (
+    wait.check(buffer, "train")
+    stalled = watchdog.check()
+    assert isinstance(stalled, StepStalled) and stalled.exit_status == EXIT_STALLED
+    assert str(stalled) == (
         "step 3: no sample finished for 61 s while the step waited for its train samples (prompt groups: 0 pending, "
         "2 running, 0 finished, 0 failure; 1 samples finished in this step) > run_guard.max_stall_s=60"
     )
-    watch.progressed(4)  # the next step (or an update) starts the clock again
-    watch.check(buffer, "train")
+    wait.begin(4)  # the next step starts the clock again
+    board.enter(4, "generation", "1 agent-loop worker")
+    wait.check(buffer, "train")
+    assert watchdog.check() is None
 
 
 def test_after_sigterm_a_stalled_step_stops_within_the_shorter_bound():
-    clock, buffer = Clock(), _buffer()
-    requested = []
-    watch = _watch(clock, stop=lambda: bool(requested), max_stall_s=3600, max_stall_after_stop_s=10)
-    watch.progressed(2)
+    clock = Clock()
+    board, watchdog = _watchdog(clock, max_stall_s=3600, max_stall_after_stop_s=10)
+    board.enter(2, "generation", "1 agent-loop worker")
+    assert watchdog.check() is None
     clock.now += 500
-    watch.check(buffer, "train")
-    requested.append(True)  # SIGTERM: counted from the request, not from the stall's start
-    watch.check(buffer, "train")
+    assert watchdog.check() is None
+    watchdog.request_stop()  # SIGTERM: counted from the request, not from the stall's start
+    assert watchdog.check() is None
     clock.now += 10
-    watch.check(buffer, "train")
+    assert watchdog.check() is None
     clock.now += 1
-    with pytest.raises(
-        StalledAfterStop,
-        match=r"^step 2: stop requested \(SIGTERM\) .* for 11 s after it .*"
+    stop = watchdog.check()
+    assert isinstance(stop, StalledAfterStop)
+    assert re.match(
+        r"^step 2: stop requested \(SIGTERM\) .* for 11 s after it .*"
         r"run_guard.max_stall_after_stop_s=10: ended without saving step 2",
-    ):
-        watch.check(buffer, "train")
+        str(stop),
+    ), stop
 
 
 def test_after_sigterm_a_step_that_makes_progress_goes_on_to_save():
     clock, buffer = Clock(), _buffer()
-    watch = _watch(clock, stop=lambda: True, max_stall_after_stop_s=10)
-    watch.progressed(1)
+    board, watchdog = _watchdog(clock, max_stall_after_stop_s=10)
+    wait = SampleWait([], board, clock=clock)
+    wait.begin(1)
+    board.enter(1, "generation", "1 agent-loop worker")
+    watchdog.request_stop()
     for index in range(5):
         clock.now += 9
         buffer.partitions["train"][f"uid_{index}_0"] = {}
-        watch.check(buffer, "train")
+        wait.check(buffer, "train")
+        assert watchdog.check() is None
 
 
-def test_the_patch_runs_the_watch_after_each_poll_and_before_each_refill_and_undoes():
+def test_the_patch_runs_the_wait_after_each_poll_and_before_each_refill_and_undoes():
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
     refills, checks = [], []
     buffer = _buffer(refill=refills.append)
 
-    class Recording(SampleWaitWatch):
+    class Recording(SampleWait):
         def check(self, buffer, partition_id, failed=False):
             checks.append((partition_id, failed))
 
-    patch = watch_replay_buffer(buffer, Recording(GuardConfig(), [], lambda: False))
+    patch = watch_replay_buffer(buffer, Recording([], board=None))
     assert patch.name == WATCH_PATCH_NAME and patch.tested == "0.9.1"
     index = (Path(__file__).resolve().parents[2] / "patches" / "README.md").read_text()
     assert f"| {WATCH_PATCH_NAME} | verl 0.9.1 |" in index  # made per run, so the index test's module scan misses it
@@ -214,7 +245,7 @@ def test_the_patch_runs_the_watch_after_each_poll_and_before_each_refill_and_und
 
 @pytest.mark.parametrize(("key", "value"), [("max_stall_s", 0), ("max_stall_after_stop_s", -1), ("max_phase_s", 0)])
 def test_the_watchdog_bounds_must_be_positive(key, value):
-    with pytest.raises(ValueError, match=rf"run_guard.{key}={value} must be > 0"):
+    with pytest.raises(ValueError, match=rf"run_guard.{key} must be > 0, got {value}"):
         GuardConfig(**{key: value})
 
 
@@ -238,7 +269,7 @@ def test_the_trainers_logger_and_sampler_hooks_act_and_undo(capsys):
 
     from verl.utils.tracking import Tracking
 
-    from respo_verl.run.trainer import HOOKS_PATCH_NAME, trainer_hooks
+    from respo_verl.run.hooks import HOOKS_PATCH_NAME, trainer_hooks
 
     logger, buffer = Tracking("p", "e", default_backend="console"), _buffer()
     batches = iter([SimpleNamespace(partition_id="train", keys=["b", "a"]), SimpleNamespace(partition_id="val")])
@@ -271,69 +302,76 @@ def test_actors_are_named_by_their_role_in_a_run():
     assert "stopped (dead actor, exit 4): SomethingElse, pid 3 died: " in got.line
 
 
-def _deadline(tmp_path, clock, **guard):
-    from respo_verl.run.watchdog import PhaseBoard, PhaseDeadline, phase_file
-
-    path = phase_file(tmp_path)
-    return PhaseBoard(path), PhaseDeadline(path, GuardConfig(**guard), clock=clock)
-
-
-def test_the_phase_deadline_stops_a_phase_that_makes_no_progress(tmp_path):
-    """The trainer's record (PhaseBoard) and the driver's deadline (PhaseDeadline) on a real file, with a clock the
-    test moves: nothing is measured before the first record; each change of the record starts the clock again."""
+def test_the_watchdog_stops_a_phase_that_makes_no_progress():
+    """The trainer's record (PhaseBoard) and the driver's watchdog, with a clock the test moves: nothing is measured
+    before the first record; each change of the record's progress starts the clock again."""
     clock = Clock()
-    board, deadline = _deadline(tmp_path, clock, max_phase_s=30)
+    board, watchdog = _watchdog(clock, max_phase_s=30)
     clock.now += 1000
-    assert deadline.check() is None  # no record yet: start-up has no deadline
-    board.enter(2, "generation", "1 agent-loop worker")
-    assert deadline.check() is None
+    assert watchdog.check() is None  # no record yet: start-up has no bound
+    board.enter(2, "old log-probs", "1 update worker")
+    assert watchdog.check() is None
     clock.now += 29
-    board.progress()  # a poll of the watched sample wait
+    board.progress()
+    assert watchdog.check() is None
     clock.now += 29
-    assert deadline.check() is None
+    assert watchdog.check() is None
     with board.phase(2, "update", "1 update worker"):
-        assert deadline.check() is None
+        assert watchdog.check() is None
         clock.now += 30
-        assert deadline.check() is None  # at the bound, not past it
+        assert watchdog.check() is None  # at the bound, not past it
         clock.now += 1.5
-        stop = deadline.check()
+        stop = watchdog.check()
     assert isinstance(stop, PhaseStalled) and stop.exit_status == EXIT_PHASE_STALLED
     assert str(stop) == (
         "step 2: the phase 'update' has run for 31.5 s with no progress > run_guard.max_phase_s=30; it waits on 1 "
         "update worker"
     )
-    assert deadline.check() is None  # the phase ended: the record changed
+    assert watchdog.check() is None  # the phase ended: the record changed
     board.pause("training ended")
     clock.now += 1000
-    assert deadline.check() is None
+    assert watchdog.check() is None
 
 
-def test_a_save_whose_folder_grows_is_progress(tmp_path):
+def _until(condition, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_save_whose_folder_grows_is_progress(tmp_path, monkeypatch):
+    """The board measures the folder of a save in progress (on the trainer's node) every check interval."""
+    from respo_verl.run import watchdog as module
+
+    monkeypatch.setattr(module, "PHASE_CHECK_INTERVAL_S", 0.01)
     clock = Clock()
-    board, deadline = _deadline(tmp_path, clock, max_phase_s=30)
+    board, watchdog = _watchdog(clock, max_phase_s=30)
     saving = tmp_path / "global_step_3"
     saving.mkdir()
-    board.enter(3, "save", "1 update worker", folder=saving)
-    assert deadline.check() is None
-    for part in range(3):
-        clock.now += 20
-        (saving / f"part{part}").write_bytes(b"x" * 10)
-        assert deadline.check() is None
-    clock.now += 31
-    assert "step 3: the phase 'save' has run for 31.0 s" in str(deadline.check())
+    with board.phase(3, "save", "1 update worker", folder=str(saving)):
+        assert watchdog.check() is None
+        for part in range(3):
+            clock.now += 20
+            seq = board.seq
+            (saving / f"part{part}").write_bytes(b"x" * 10)
+            _until(lambda seq=seq: board.seq > seq)
+            assert watchdog.check() is None
+        clock.now += 31
+        assert "step 3: the phase 'save' has run for 31.0 s" in str(watchdog.check())
 
 
-def test_after_sigterm_a_stalled_phase_ends_within_the_shorter_bound(tmp_path):
+def test_after_sigterm_a_stalled_phase_ends_within_the_shorter_bound():
     clock = Clock()
-    board, deadline = _deadline(tmp_path, clock, max_phase_s=1800, max_stall_after_stop_s=60)
+    board, watchdog = _watchdog(clock, max_phase_s=1800, max_stall_after_stop_s=60)
     board.enter(5, "weight sync", "1 update worker, 1 rollout server")
-    assert deadline.check() is None
+    assert watchdog.check() is None
     clock.now += 100
-    deadline.request_stop()
+    watchdog.request_stop()
     clock.now += 60
-    assert deadline.check() is None
+    assert watchdog.check() is None
     clock.now += 1
-    stop = deadline.check()
+    stop = watchdog.check()
     assert isinstance(stop, StalledAfterStop) and stop.exit_status == EXIT_STALLED_AFTER_STOP
     assert str(stop).startswith(
         "step 5: stop requested (SIGTERM) during the phase 'weight sync', and no phase ended and no progress for "
@@ -342,24 +380,27 @@ def test_after_sigterm_a_stalled_phase_ends_within_the_shorter_bound(tmp_path):
     ), stop
 
 
-def test_the_phase_deadline_thread_interrupts_with_its_stop(tmp_path, monkeypatch):
-    """The thread the driver runs: a stale record stops it at its first check, and it calls ``on_stop`` once."""
+def test_the_watchdog_thread_sends_the_stop_request_and_interrupts_with_its_stop(monkeypatch):
+    """The thread the driver runs: it carries a SIGTERM's request to the records, a stale record stops it at its
+    next check, and it calls ``on_stop`` once."""
     import threading
 
-    from respo_verl.run import watchdog
+    from respo_verl.run import watchdog as module
 
-    monkeypatch.setattr(watchdog, "PHASE_CHECK_INTERVAL_S", 0.01)
+    monkeypatch.setattr(module, "PHASE_CHECK_INTERVAL_S", 0.01)
     clock = Clock()
-    board, deadline = _deadline(tmp_path, clock, max_phase_s=5)
+    board, watchdog = _watchdog(clock, max_phase_s=5)
     board.enter(1, "old log-probs", "2 update workers")
-    deadline.check()
-    clock.now += 6
+    watchdog.check()
     fired = threading.Event()
-    thread = deadline.start(on_stop=fired.set)
-    assert fired.wait(5) and "the phase 'old log-probs'" in str(deadline.stopped)
+    thread = watchdog.start(on_stop=fired.set)
+    watchdog.request_stop()
+    _until(lambda: board.records.get(module.STOP) == {"signal": "SIGTERM"})
+    clock.now += 6
+    assert fired.wait(5) and "the phase 'old log-probs'" in str(watchdog.stopped)
     thread.join(5)
     assert not thread.is_alive()
-    deadline.close()
+    watchdog.close()
 
 
 def test_waits_on_counts_the_actors_of_a_phase_by_role():
@@ -367,7 +408,8 @@ def test_waits_on_counts_the_actors_of_a_phase_by_role():
     tests/cpu/test_cpu_hangs.py names them end to end)."""
     from types import SimpleNamespace
 
-    from respo_verl.run.watchdog import BETWEEN_PHASES, GENERATION_ACTORS, waits_on
+    from respo_verl.run.liveness import BETWEEN_PHASES, waits_on
+    from respo_verl.run.stops import GENERATION_ACTORS
 
     actor = SimpleNamespace(world_size=2)
     trainer = SimpleNamespace(

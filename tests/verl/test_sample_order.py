@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from transfer_queue.metadata import KVBatchMeta
 
-from respo_verl.run.trainer import in_prompt_order
+from respo_verl.run.hooks import in_prompt_order
 
 
 def _batch(keys: list[str]) -> KVBatchMeta:

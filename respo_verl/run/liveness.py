@@ -1,0 +1,225 @@
+"""Inside the trainer's Ray actor: are the actors a step waits on alive, and did its samples progress?
+
+While verl 0.9.1's replay buffer waits for a step's samples (it polls with no timeout), :class:`SampleWait`, run
+after each poll (:func:`watch_replay_buffer`), asks the actors the step waits on whether they live
+(:func:`check_actors_alive`: agent-loop and reward workers, rollout servers, their load balancer, and each server's
+inference engine) and tells the phase record (:class:`respo_verl.run.watchdog.PhaseBoard`) when a sample finished.
+It measures no time: the watchdog, in the driver, holds the record against its bounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from respo_verl.patches import Patch
+from respo_verl.run.stops import (
+    AGENT_LOOP_WORKER,
+    LOAD_BALANCER,
+    REFERENCE_WORKER,
+    REWARD_WORKER,
+    ROLLOUT_SERVER,
+    UPDATE_WORKER,
+    WORKER_GROUPS,
+    ActorDied,
+    dead_actor,
+)
+
+# While a step waits for its samples, how often the actors it waits on are checked for life (one Ray call each, all
+# at once); a failed sample (verl then generates its group again) checks them at once.
+WORKER_CHECK_INTERVAL_S = 10.0
+# A live actor answers its readiness call at once unless its event loop is blocked; longer counts as alive.
+WORKER_READY_TIMEOUT_S = 5.0
+WATCH_PATCH_NAME = "watched waits of verl's replay buffer"
+# What the trainer waits on between the phases of a step (batch balancing, metrics, TransferQueue's bookkeeping).
+BETWEEN_PHASES = "the trainer (TaskRunner) and TransferQueue"
+
+
+def watched_actors(trainer: Any) -> list[tuple[str, list]]:
+    """The Ray actors a step of verl 0.9.1's V1 trainer waits on while it waits for its samples, by role: the
+    agent-loop workers (they run the rollouts), the reward-loop workers (the agent loop asks them for every
+    sample's reward), the rollout servers and their load balancer (the agent loop asks them for every token). A
+    role the run does not have is left out. The worker groups (actor, reference, critic) and TransferQueue are not
+    here: the step calls them with ``ray.get``, which raises Ray's ``ActorDiedError`` for a dead one
+    (:func:`respo_verl.run.stops.stop_for_error`)."""
+    agent_loop = getattr(trainer, "agent_loop_manager", None)
+    reward_loop = getattr(trainer, "reward_loop_manager", None)
+    servers = getattr(trainer, "llm_server_manager", None)
+    balancer = getattr(servers, "global_load_balancer", None)
+    kinds = [
+        (AGENT_LOOP_WORKER, getattr(agent_loop, "agent_loop_workers", None)),
+        (REWARD_WORKER, getattr(reward_loop, "reward_loop_workers", None)),
+        (ROLLOUT_SERVER, getattr(servers, "server_handles", None)),
+        (LOAD_BALANCER, [balancer] if balancer is not None else None),
+    ]
+    return [(kind, list(handles)) for kind, handles in kinds if handles]
+
+
+def _answers(calls: list, refs: list) -> list:
+    """``calls`` whose Ray call (``refs``, in order) answered within :data:`WORKER_READY_TIMEOUT_S`."""
+    import ray
+
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=WORKER_READY_TIMEOUT_S)
+    answered = set(ready)
+    return [call for call, ref in zip(calls, refs, strict=True) if ref in answered]
+
+
+def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: str) -> None:
+    """Raise :class:`ActorDied` when one of ``actors`` (:func:`watched_actors`) has died: Ray's ``ActorDiedError``
+    for its readiness call. All are asked at once; one busy past :data:`WORKER_READY_TIMEOUT_S`, or unreachable for
+    a moment (``ActorUnavailableError``, which Ray raises for a network blip too), counts as alive: the next check
+    asks again."""
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    calls = [(kind, index, len(handles), h) for kind, handles in actors for index, h in enumerate(handles)]
+    if not calls:
+        return
+    refs = [h.__ray_ready__.remote() for *_, h in calls]
+    for number in _answers(list(range(len(calls))), refs):
+        kind, index, count, _ = calls[number]
+        try:
+            ray.get(refs[number])
+        except ActorUnavailableError:
+            continue
+        except ActorDiedError as exc:
+            _, who, reason = dead_actor(exc)
+            raise ActorDied(
+                f"step {step}: {kind} {index} of {count} ({who}) has died while the step waited for {waiting_for}: "
+                f"{reason}"
+            ) from None
+    check_engines_alive(dict(actors).get(ROLLOUT_SERVER, []), step, waiting_for)
+
+
+def engine_dead(server: Any) -> str | None:
+    """Run in a rollout server's actor (Ray's ``__ray_call__``): why its inference engine is dead, or None.
+
+    verl's vLLM server keeps vLLM's ``AsyncLLM`` as ``engine``; when vLLM's engine core process dies, the server's
+    actor lives on (Ray sees nothing), ``engine.errored`` turns true, and every request fails or waits. A server
+    without such an engine (the ``hf_cpu`` server samples in its own process) is never dead this way."""
+    engine = getattr(server, "engine", None)
+    if engine is None or not getattr(engine, "errored", False):
+        return None
+    error = getattr(engine, "dead_error", None)
+    reason = f"{type(error).__name__}: {error}" if error is not None else "its engine reports an error"
+    return f"{type(server).__name__}, {reason}"
+
+
+def check_engines_alive(servers: list, step: int, waiting_for: str) -> None:
+    """Raise :class:`ActorDied` when a rollout server's inference engine has died inside its living actor
+    (:func:`engine_dead`). A server busy past :data:`WORKER_READY_TIMEOUT_S` counts as alive: the next check asks
+    again."""
+    import ray
+    from ray.exceptions import RayError
+
+    if not servers:
+        return
+    refs = [h.__ray_call__.remote(engine_dead) for h in servers]
+    for index in _answers(list(range(len(servers))), refs):
+        try:
+            reason = ray.get(refs[index])
+        except RayError:  # the actor itself died or is unreachable: check_actors_alive names it
+            continue
+        if reason is not None:
+            server, _, error = reason.partition(", ")
+            raise ActorDied(
+                f"step {step}: rollout server {index} of {len(servers)} ({server}): its inference engine died while "
+                f"the step waited for {waiting_for} (the server's actor lives on; a vLLM server's engine core process "
+                f"ended): {error}"
+            )
+
+
+class SampleWait:
+    """What the trainer checks after each poll of verl's replay buffer for a step's samples: the actors the step
+    waits on are alive (:func:`check_actors_alive`, every :data:`WORKER_CHECK_INTERVAL_S` and after every failed
+    sample), and which samples finished since the last poll: a new one is progress, told to ``board``
+    (:meth:`respo_verl.run.watchdog.PhaseBoard.progress`, with the buffer's counts); ``buffer`` is verl's replay
+    buffer, whose ``partitions`` hold the finished samples by key."""
+
+    def __init__(self, actors: list[tuple[str, list]], board: Any, clock: Callable[[], float] = time.monotonic):
+        self.actors, self.board, self.clock = actors, board, clock
+        self.step = 0
+        self._seen: set[tuple[str, str]] = set()
+        self._next_liveness = clock() + WORKER_CHECK_INTERVAL_S
+
+    def begin(self, step: int) -> None:
+        """A step began: its samples are counted from none."""
+        if step != self.step:
+            self._seen.clear()
+        self.step = step
+
+    def check(self, buffer: Any, partition_id: str | None, failed: bool = False) -> None:
+        partitions = [partition_id] if partition_id is not None else list(buffer.partitions)
+        new = {(pid, key) for pid in partitions for key in buffer.partitions[pid]} - self._seen
+        self._seen |= new
+        waiting_for = f"its {'validation' if partition_id == 'val' else 'train'} samples"
+        if failed or self.clock() >= self._next_liveness:
+            check_actors_alive(self.actors, self.step, waiting_for)
+            self._next_liveness = self.clock() + WORKER_CHECK_INTERVAL_S
+        self.board.progress(self._state(buffer, partition_id), advanced=bool(new))
+
+    def _state(self, buffer: Any, partition_id: str | None) -> str:
+        pid = partition_id or "train"
+        counts = {
+            name: len(getattr(buffer, f"{name}_keys", {}).get(pid, ()))
+            for name in ("pending", "running", "finished", "failure")
+        }
+        groups = ", ".join(f"{count} {name}" for name, count in counts.items())
+        return f"prompt groups: {groups}; {len(self._seen)} samples finished in this step"
+
+
+def watch_replay_buffer(buffer: Any, wait: SampleWait) -> Patch:
+    """The patch that makes ``buffer`` (verl 0.9.1's ``ReplayBuffer``, one instance) run ``wait`` after each of
+    its polls (``_wait_for_next_poll``, private: its loop in ``sample`` has no other place to stop) and before
+    each refill of failed groups (``refill_fn``)."""
+
+    def install(patch: Patch) -> None:
+        poll, refill = buffer._wait_for_next_poll, buffer.refill_fn
+
+        def poll_then_check(partition_id, *args, **kwargs):
+            result = poll(partition_id, *args, **kwargs)
+            wait.check(buffer, partition_id)
+            return result
+
+        patch.replace(buffer, "_wait_for_next_poll", poll_then_check, "liveness and sample progress per poll")
+        if refill is not None:
+
+            def check_then_refill(*args, **kwargs):
+                wait.check(buffer, None, failed=True)
+                return refill(*args, **kwargs)
+
+            patch.replace(buffer, "refill_fn", check_then_refill, "a failed sample checks the actors at once")
+
+    return Patch(WATCH_PATCH_NAME, "verl", "0.9.1", install)
+
+
+def waits_on(trainer: Any, *kinds: str) -> str:
+    """The actors of ``kinds`` (roles of :mod:`respo_verl.run.stops`) that ``trainer`` (verl 0.9.1's V1 trainer)
+    has, counted, e.g. ``1 update worker, 1 rollout server``: worker groups by their world size, the others as
+    :func:`watched_actors` finds them. A reference policy that lives in the update workers is counted as them; none
+    found: :data:`BETWEEN_PHASES`."""
+    others = dict(watched_actors(trainer))
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        group = getattr(trainer, WORKER_GROUPS[kind], None) if kind in WORKER_GROUPS else None
+        if kind == REFERENCE_WORKER and group is not None and group is getattr(trainer, "actor_rollout_wg", None):
+            kind = UPDATE_WORKER
+        count = int(getattr(group, "world_size", 0) or 0) if kind in WORKER_GROUPS else len(others.get(kind, ()))
+        if count:
+            counts[kind] = max(counts.get(kind, 0), count)
+    rollout = _rollout_name(trainer)
+
+    def label(kind: str, n: int) -> str:
+        text = f"{n} {kind}{'s' if n != 1 else ''}"
+        return f"{text} ({rollout})" if kind == ROLLOUT_SERVER and rollout else text
+
+    return ", ".join(label(kind, n) for kind, n in counts.items()) or BETWEEN_PHASES
+
+
+def _rollout_name(trainer: Any) -> str | None:
+    """The job's rollout engine (``actor_rollout_ref.rollout.name``: vllm, sglang, hf_cpu, ...), or None."""
+    try:
+        return str(trainer.config.actor_rollout_ref.rollout.name)
+    except Exception:  # a trainer without verl's config (tests' stand-ins)
+        return None
