@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from respo_verl.core.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, Range, check_settings, setting
+from respo_verl.routing.mode import verl_mode
 from respo_verl.run.stops import RunStopped
 
 FAILED_SAMPLES_KEY = "respo_verl/failed_samples"
@@ -44,6 +46,7 @@ ENTROPY_KEY = "actor/entropy"
 ADVANTAGE_KEYS = ("critic/advantages/max", "critic/advantages/min")
 # The kernel losses' share of sequences whose log W sits at the clamp, under actor/<loss>/.
 CLAMP_SUFFIX = "/clamp_frac"
+SHARE = Range(0.0, high=1.0)  # [0, 1]: a share of samples, sequences or tokens, or a difference of probabilities
 # What a guard does when it trips (the sampler-agreement and routing-replay guards; the others always stop).
 GUARD_MODES = ("stop", "warn", "off")
 # verl's comparison of the sampler's and the trainer's token probabilities (trainer/ppo/metric_utils.py).
@@ -61,20 +64,20 @@ class GuardConfig:
     """The ``run_guard`` node (defaults: configs/respo_verl/run_guard.yaml; validated here).
 
     Attributes:
-        enable: run the guards and the watchdog at all.
+        enable: run the guards, the liveness check and the watchdog's bounds at all.
         max_failed_share: the largest share of a step's samples whose reward or rollout failed (replaced by
             padding, or evicted and generated again) that the run tolerates; 0 stops at the first failure.
         max_clamp_share: the largest share of sequences with log W at the clamp (±log_w_clip) tolerated in a step.
         min_entropy: entropy below this counts as collapsed ...
         collapse_steps: ... when, in as many consecutive steps, no group carries a signal (all advantages 0).
-        max_stall_s: the watchdog: a step in which no sample finished for this long while it waited for its samples
-            (counted from the step's start, the last finished sample, or the last update) stops the run.
-        max_stall_after_stop_s: the same, once SIGTERM has asked the run to stop: the shorter bound within which a
-            stalled step ends the run without saving (a step that makes progress still saves at its end); it bounds
-            a stalled phase after SIGTERM too.
-        max_phase_s: the watchdog's phase deadline, measured by the driver: a phase of a step (generation, old
-            log-probs, the update, the weight sync, the save, ...) in which nothing ends and nothing progresses
-            for this long stops the run (:class:`respo_verl.run.watchdog.PhaseDeadline`).
+        max_stall_s: the watchdog's bound on generation and validation: no sample finished for this long (counted
+            from the phase's start or the last finished sample) stops the run (exit 5).
+        max_stall_after_stop_s: the watchdog's bound on any phase once SIGTERM has asked the run to stop, counted
+            from the later of the request and the last progress: the run ends without saving (exit 6); a step that
+            makes progress still saves at its end.
+        max_phase_s: the watchdog's bound on every other phase of a step (old log-probs, the update, the weight
+            sync, the save, ...): nothing ends and nothing progresses for this long (exit 7;
+            :class:`respo_verl.run.watchdog.Watchdog`).
         sampler_agreement: ``stop``, ``warn`` or ``off``: the sampler-agreement guard (module docstring).
         max_probs_diff_max: the largest ``training/rollout_probs_diff_max`` tolerated (None: not checked).
         max_probs_diff_mean: the largest ``training/rollout_probs_diff_mean`` tolerated (None: not checked).
@@ -84,45 +87,26 @@ class GuardConfig:
     """
 
     enable: bool = True
-    max_failed_share: float = 0.0
-    max_clamp_share: float = 0.1
-    min_entropy: float = 1.0e-3
-    collapse_steps: int = 3
-    max_stall_s: float = 3600.0
-    max_stall_after_stop_s: float = 300.0
-    max_phase_s: float = 1800.0
-    sampler_agreement: str = "stop"
-    max_probs_diff_max: float | None = None
-    max_probs_diff_mean: float | None = 0.05
-    routing_replay: str = "stop"
-    max_route_reject_share: float = 0.3
+    max_failed_share: float = setting(0.0, SHARE)
+    max_clamp_share: float = setting(0.1, SHARE)
+    min_entropy: float = setting(1.0e-3, NON_NEGATIVE)
+    collapse_steps: int = setting(3, AT_LEAST_ONE)
+    max_stall_s: float = setting(3600.0, POSITIVE)
+    max_stall_after_stop_s: float = setting(300.0, POSITIVE)
+    max_phase_s: float = setting(1800.0, POSITIVE)
+    sampler_agreement: str = setting("stop", OneOf(GUARD_MODES))
+    max_probs_diff_max: float | None = setting(None, SHARE, optional=True)
+    max_probs_diff_mean: float | None = setting(0.05, SHARE, optional=True)
+    routing_replay: str = setting("stop", OneOf(GUARD_MODES))
+    max_route_reject_share: float = setting(0.3, SHARE)
 
     def __post_init__(self) -> None:
-        for name in ("sampler_agreement", "routing_replay"):
-            if getattr(self, name) not in GUARD_MODES:
-                raise ValueError(f"run_guard.{name}={getattr(self, name)!r} must be one of {', '.join(GUARD_MODES)}")
-        for name in ("max_probs_diff_max", "max_probs_diff_mean"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 <= float(value) <= 1.0:
-                raise ValueError(f"run_guard.{name}={value} must be in [0, 1] (a difference of probabilities) or null")
+        check_settings(self, "run_guard")
         if self.sampler_agreement != "off" and self.max_probs_diff_max is None and self.max_probs_diff_mean is None:
             raise ValueError(
                 f"run_guard.sampler_agreement={self.sampler_agreement} needs a bound: set run_guard.max_probs_diff_max "
                 "or run_guard.max_probs_diff_mean (or sampler_agreement=off)"
             )
-        if not 0.0 <= float(self.max_route_reject_share) <= 1.0:
-            raise ValueError(f"run_guard.max_route_reject_share={self.max_route_reject_share} must be in [0, 1]")
-        for name in ("max_failed_share", "max_clamp_share"):
-            value = getattr(self, name)
-            if not 0.0 <= float(value) <= 1.0:
-                raise ValueError(f"run_guard.{name}={value} must be in [0, 1]")
-        if float(self.min_entropy) < 0:
-            raise ValueError(f"run_guard.min_entropy={self.min_entropy} must be >= 0")
-        if int(self.collapse_steps) < 1:
-            raise ValueError(f"run_guard.collapse_steps={self.collapse_steps} must be >= 1")
-        for name in ("max_stall_s", "max_stall_after_stop_s", "max_phase_s"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"run_guard.{name}={getattr(self, name)} must be > 0 (seconds)")
 
     @classmethod
     def from_config(cls, node: Any) -> GuardConfig:
@@ -134,6 +118,22 @@ class GuardConfig:
         return cls(**given)
 
 
+def check_guards(cfg: Any) -> GuardConfig:
+    """The job's ``run_guard`` node, checked with the job before Ray starts (:func:`respo_verl.run.jobcheck.check_job`):
+    ValueError with one line naming the key, its value and what it accepts."""
+    from omegaconf import OmegaConf
+
+    guard = GuardConfig.from_config(cfg.get("run_guard"))
+    if guard.enable and guard.sampler_agreement != "off":
+        if not OmegaConf.select(cfg, "actor_rollout_ref.rollout.calculate_log_probs", default=True):
+            raise ValueError(
+                f"run_guard.sampler_agreement={guard.sampler_agreement} compares the sampler's log-probs with the "
+                "trainer's, but actor_rollout_ref.rollout.calculate_log_probs=false: set it to true (verl's default) "
+                "or run_guard.sampler_agreement=off"
+            )
+    return guard
+
+
 class StepGuards:
     """The guards of :class:`GuardConfig` over a run's steps (pure: metrics in, :class:`RunStopped` out).
 
@@ -141,18 +141,10 @@ class StepGuards:
     further guard on a step's metrics is one more method added to that list.
     """
 
-    def __init__(self, config: GuardConfig, routing_replay: str | None = None, sampler_log_probs: bool = True) -> None:
-        """``routing_replay``: the run's ``router_replay.mode`` (``R2``, ``R3``; None or ``disabled``: no replay).
-        ``sampler_log_probs``: the run's ``rollout.calculate_log_probs``; the sampler-agreement guard needs them, and
-        verl computes ``training/rollout_probs_diff_*`` on every step that has them."""
-        if config.enable and config.sampler_agreement != "off" and not sampler_log_probs:
-            raise ValueError(
-                f"run_guard.sampler_agreement={config.sampler_agreement} compares the sampler's log-probs with the "
-                "trainer's, but actor_rollout_ref.rollout.calculate_log_probs=false: set it to true (verl's default) "
-                "or run_guard.sampler_agreement=off"
-            )
+    def __init__(self, config: GuardConfig, replay: str = "off") -> None:
+        """``replay``: the run's routing replay mode (:func:`respo_verl.routing.mode.replay_mode`: off, r2, r3)."""
         self.config = config
-        self.routing_replay = None if routing_replay in (None, "disabled") else str(routing_replay).upper()
+        self.replay = replay
         self._quiet_steps = 0
         self.warnings: dict[str, int] = {}
         self.checks: list[Callable[[dict[str, Any], int], None]] = [
@@ -182,10 +174,10 @@ class StepGuards:
         print(f"respo-verl: WARNING: run_guard.{guard}=warn: {message}", flush=True)
 
     def check_replayed_routes(self, metrics: dict[str, Any], step: int) -> None:
-        mode = self.config.routing_replay
-        if mode == "off" or self.routing_replay is None:
+        mode, verl = self.config.routing_replay, verl_mode(self.replay)
+        if mode == "off" or self.replay == "off":
             return
-        passes = {"R3": (LOG_PROB_PASS, "update"), "R2": ("update",)}.get(self.routing_replay, ())
+        passes = {"r3": (LOG_PROB_PASS, "update"), "r2": ("update",)}[self.replay]
         # The route-drift engine logs a pass's keys only when it counted a replayed token there: with the engine's
         # keys of another pass in the step, a pass without keys replayed none.
         engine_ran = any(key.startswith(f"{ROUTING_PREFIX}/") for key in metrics)
@@ -200,24 +192,20 @@ class StepGuards:
                 self._trip(
                     "routing_replay",
                     mode,
-                    f"step {step}: router_replay.mode={self.routing_replay} but {key} is missing: the route-drift "
-                    f"engine did not run (select it with routing={self.routing_replay.lower()}), so replay is "
+                    f"step {step}: router_replay.mode={verl} but {key} is missing: the route-drift "
+                    f"engine did not run (select it with routing={self.replay}), so replay is "
                     "unchecked",
                 )
             elif value <= 0:
                 source = (
                     "the sampler's routes (rollout.enable_rollout_routing_replay)"
                     if name == LOG_PROB_PASS
-                    else (
-                        "the routes recorded at compute_log_prob"
-                        if self.routing_replay == "R2"
-                        else "the sampler's routes"
-                    )
+                    else ("the routes recorded at compute_log_prob" if self.replay == "r2" else "the sampler's routes")
                 )
                 self._trip(
                     "routing_replay",
                     mode,
-                    f"step {step}: {key}={value:g} with router_replay.mode={self.routing_replay}: the {name} pass "
+                    f"step {step}: {key}={value:g} with router_replay.mode={verl}: the {name} pass "
                     f"replayed no route; {source} were missing or all zero (a sampler that returns no routes, e.g. "
                     "a MoE kernel that skips vLLM's capture hook), and the trainer routed on its own",
                 )
@@ -245,7 +233,7 @@ class StepGuards:
 
     def check_route_rejects(self, metrics: dict[str, Any], step: int) -> None:
         mode = self.config.routing_replay
-        if mode == "off" or self.routing_replay != "R3":
+        if mode == "off" or self.replay != "r3":
             return
         prefix = f"{ROUTING_PREFIX}/{LOG_PROB_PASS}/flip_frac/layer_"
         shares = {int(k[len(prefix) :]): v for k, v in metrics.items() if k.startswith(prefix) and v is not None}

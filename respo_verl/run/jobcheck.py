@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from respo_verl.routing.mode import REPLAY_KEY, replay_mode, verl_mode
+from respo_verl.run.guards import check_guards
 
 POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 ROUTING_ENGINE = "megatron"  # verl 0.9.1 replays routes on its Megatron engine only
@@ -29,6 +30,7 @@ def check_job(cfg: Any, layout: bool = True) -> None:
     Checks:
         - the ``respo`` / ``vespo`` kernel hyperparameters (``actor_rollout_ref.actor.policy_loss.<loss>.*``), with
           the ranges of :mod:`respo_verl.core.config`, when the node is present;
+        - the ``run_guard`` node (:func:`respo_verl.run.guards.check_guards`);
         - routing replay (``routing=r2|r3``, :func:`respo_verl.routing.mode.replay_mode`) with a ``model_engine``
           other than ``megatron``;
         - a rollout batch that is not a whole number of mini-batches (the layout rule ``batch-mini``, with its own
@@ -40,6 +42,7 @@ def check_job(cfg: Any, layout: bool = True) -> None:
         layout: apply the layout rules too (the planner applies them itself, next to its memory model).
     """
     _check_kernel_hyperparameters(cfg)
+    check_guards(cfg)
     _check_routing(cfg)
     _check_reuse(cfg)
     if layout:

@@ -31,6 +31,11 @@ LOSS = "actor_rollout_ref.actor.policy_loss"
             "with actor_rollout_ref.actor.megatron.router_replay.mode=R2",
         ),
         (["algorithm=grpo", "routing=r3"], "routing replay needs model_engine=megatron"),
+        (
+            ["algorithm=respo", "run_guard.sampler_agreement=1e-12"],
+            "run_guard.sampler_agreement must be one of stop, warn, off, got 1e-12",
+        ),
+        (["algorithm=respo", "run_guard.max_phase_s=0"], "run_guard.max_phase_s must be > 0, got 0"),
     ],
 )
 def test_bad_jobs_are_refused_with_one_line(overrides, message):
@@ -109,6 +114,10 @@ def test_routing_replay_on_a_dense_model_is_refused():
     [
         (["data.train_batch_size=7"], "data.train_batch_size=7 is not a whole number of mini-batches"),
         (["actor_rollout_ref.model.path=/nonexistent/model"], "actor_rollout_ref.model.path=/nonexistent/model: no"),
+        (
+            ["run_guard.sampler_agreement=1e-12"],
+            "run_guard.sampler_agreement must be one of stop, warn, off, got 1e-12",
+        ),
     ],
 )
 def test_the_entry_point_refuses_them_in_one_line(tmp_path, overrides, message):
