@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 import socket
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -18,6 +19,7 @@ from respo_verl.core.advantages import ESTIMATOR
 from respo_verl.core.losses import KERNELS
 from respo_verl.entry_points import INSTALL_HINT, PLUGIN_MODULE
 from respo_verl.routing.engine import REGISTRATION as ROUTE_DRIFT_ENGINES
+from respo_verl.run.nodes import SharedFolders, unseen
 from respo_verl.run.requirements import Requirement
 from respo_verl.run.trainer import REGISTRATION as TRAINER
 
@@ -44,9 +46,12 @@ def registered() -> dict[str, bool]:
     return status
 
 
-def _probe(requirements: tuple[Requirement, ...] = ()) -> dict:
-    """Runs on one node: which of our registrations are visible there, and which of ``requirements`` are missing."""
+def _probe(requirements: tuple[Requirement, ...] = (), folders: SharedFolders | None = None) -> dict:
+    """Runs on one node: which of our registrations are visible there, which of ``requirements`` are missing, and
+    what of ``folders`` it does not see."""
     host = socket.gethostname()
+    if folders is not None and (problems := unseen(folders)):
+        return {"host": host, "unseen": problems}
     try:
         from respo_verl.run.requirements import check_missing
 
@@ -71,7 +76,9 @@ def _innermost_error(exc: BaseException) -> str:
 
 
 def check_ray_nodes(
-    timeout_s: float = PREFLIGHT_TIMEOUT_S, requirements: list[Requirement] | tuple[Requirement, ...] = ()
+    timeout_s: float = PREFLIGHT_TIMEOUT_S,
+    requirements: list[Requirement] | tuple[Requirement, ...] = (),
+    folders: SharedFolders | None = None,
 ) -> list[dict]:
     """Run :func:`_probe` once on every alive Ray node; raise RuntimeError naming each node that fails.
 
@@ -83,6 +90,10 @@ def check_ray_nodes(
     The error's first line is ``respo-verl preflight failed on ...``; each missing requirement adds a line
     ``node <address> (<host>): <package>: <why>; needed by <config key>``.
 
+    With ``folders`` (:func:`respo_verl.run.nodes.shared_folders` of the job), a node that does not see the driver's
+    marker in the checkpoint root or its data files fails first, in one line naming the node and the path; the
+    marker is removed afterwards.
+
     Returns:
         The probe result of every node.
     """
@@ -93,11 +104,15 @@ def check_ray_nodes(
         probe.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False),
             runtime_env=PROBE_RUNTIME_ENV,
-        ).remote(shipped)
+        ).remote(shipped, folders)
         for n in nodes
     ]
-    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    results, failures, missing_lines, lacking_nodes = [], [], [], 0
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    finally:
+        if folders is not None:
+            Path(folders.marker).unlink(missing_ok=True)
+    results, failures, missing_lines, lacking_nodes, blind = [], [], [], 0, []
     for node, ref in zip(nodes, refs, strict=True):
         where = f"node {node.get('NodeManagerAddress')}"
         try:
@@ -108,6 +123,9 @@ def check_ray_nodes(
         except ray.exceptions.RayError as exc:
             failures.append(f"{where}: the probe could not run ({_innermost_error(exc)})")
             continue
+        if result.get("unseen"):
+            blind.append(f"{where} ({result['host']}) " + "; ".join(result["unseen"]))
+            continue
         results.append(result)
         missing = [name for name, ok in result["registered"].items() if not ok]
         if result["error"] or missing:
@@ -117,6 +135,12 @@ def check_ray_nodes(
         if node_missing:
             lacking_nodes += 1
             missing_lines.extend(node_missing)
+    if blind:
+        raise RuntimeError(
+            "respo-verl preflight failed: "
+            + "; ".join(blind)
+            + ": every node must see the checkpoint root and the data at the driver's paths (shared storage)"
+        )
     if failures:
         message = "respo-verl preflight failed on " + "; ".join(failures) + f". Fix: {INSTALL_HINT}."
         raise RuntimeError("\n".join([message, *missing_lines]))
