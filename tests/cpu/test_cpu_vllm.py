@@ -44,6 +44,7 @@ TIMEOUT_S = 900
 # The route-drift engine's keys of both passes (docs/routing-replay.md).
 DRIFT = ("flip_frac", "overlap", "prob_mass_delta", "any_layer_flip_frac", "replayed_tokens")
 LAYERS = ("flip_frac/layer_0", "flip_frac/layer_1")
+ROUTE_IDS_PER_TOKEN = 2 * 2  # the kit's MoE: 2 layers, top-2
 ROUTE_DRIFT_KEYS = tuple(f"actor/routing/{p}{k}" for p in ("", "compute_log_prob/") for k in (*DRIFT, *LAYERS))
 
 
@@ -158,6 +159,11 @@ def test_vllms_routes_are_replayed_in_both_passes_and_are_the_trainers_own(r3_ru
         flips = {k: v for k, v in data.items() if k.startswith("actor/routing/compute_log_prob/flip_frac/layer_")}
         assert len(flips) == 2 and set(flips.values()) == {0.0}, (line["step"], flips)
         assert data["actor/routing/compute_log_prob/any_layer_flip_frac"] == 0.0
+        # vLLM's routes reached the trainer as uint8 (respo_verl/patches/verl_0_9_1_routes.py), each sample at its
+        # own length: one byte per expert id of each prompt and response token, and no more
+        tokens = data["prompt_length/mean"] + data["response_length/mean"]
+        per_sample = data["actor/routing/compute_log_prob/route_bytes_per_sample"]
+        assert per_sample == pytest.approx(tokens * ROUTE_IDS_PER_TOKEN), (line["step"], per_sample, tokens)
 
 
 def test_the_healthy_runs_pass_the_guards(fsdp_run, r3_run):
