@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -101,120 +101,108 @@ class Layout:
         return self.cp if self.backend == "megatron" else self.ulysses_sp
 
 
-def _get(cfg: DictConfig, key: str, default=None):
+ACTOR = "actor_rollout_ref.actor"
+MEGATRON = f"{ACTOR}.megatron"
+TRANSFORMER = f"{MEGATRON}.override_transformer_config"
+OPTIMIZER = f"{ACTOR}.optim.override_optimizer_config"  # verl copies it over its own optim keys (optimizer.py)
+FSDP = f"{ACTOR}.fsdp_config"
+ROLLOUT = "actor_rollout_ref.rollout"
+# Layout field <- the job's key. Each is read as the field's type (Layout's annotations); a key the job leaves
+# unset or null keeps the field's default, so that no default of verl's is written twice.
+COMMON_KEYS = {
+    "nnodes": "trainer.nnodes",
+    "gpus_per_node": "trainer.n_gpus_per_node",
+    "use_dynamic_bsz": f"{ACTOR}.use_dynamic_bsz",
+    "ppo_max_token_len_per_gpu": f"{ACTOR}.ppo_max_token_len_per_gpu",
+    "log_prob_max_token_len_per_gpu": f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
+    "ppo_micro_batch_size_per_gpu": f"{ACTOR}.ppo_micro_batch_size_per_gpu",
+    "train_batch_size": "data.train_batch_size",
+    "ppo_mini_batch_size": f"{ACTOR}.ppo_mini_batch_size",
+    "rollout_n": f"{ROLLOUT}.n",
+    "max_prompt_length": "data.max_prompt_length",
+    "max_response_length": "data.max_response_length",
+    "rollout_tp": f"{ROLLOUT}.tensor_model_parallel_size",
+    "rollout_dp": f"{ROLLOUT}.data_parallel_size",
+    "rollout_pp": f"{ROLLOUT}.pipeline_model_parallel_size",
+    "rollout_ep": f"{ROLLOUT}.expert_parallel_size",
+    "rollout_memory_fraction": f"{ROLLOUT}.gpu_memory_utilization",
+    "rollout_max_model_len": f"{ROLLOUT}.max_model_len",
+    "rollout_max_num_seqs": f"{ROLLOUT}.max_num_seqs",
+    "rollout_name": f"{ROLLOUT}.name",
+    "free_cache_engine": f"{ROLLOUT}.free_cache_engine",
+}
+MEGATRON_KEYS = {
+    "tp": f"{MEGATRON}.tensor_model_parallel_size",
+    "pp": f"{MEGATRON}.pipeline_model_parallel_size",
+    "vpp": f"{MEGATRON}.virtual_pipeline_model_parallel_size",
+    "cp": f"{MEGATRON}.context_parallel_size",
+    "ep": f"{MEGATRON}.expert_model_parallel_size",
+    "etp": f"{MEGATRON}.expert_tensor_parallel_size",
+    "sequence_parallel": f"{MEGATRON}.sequence_parallel",
+    "distributed_optimizer": f"{MEGATRON}.use_distributed_optimizer",
+    "recompute_granularity": f"{TRANSFORMER}.recompute_granularity",
+    "recompute_method": f"{TRANSFORMER}.recompute_method",
+    "recompute_num_layers": f"{TRANSFORMER}.recompute_num_layers",
+    "moe_dispatcher": f"{TRANSFORMER}.moe_token_dispatcher_type",
+    "moe_router_dtype": f"{TRANSFORMER}.moe_router_dtype",
+    "overlap_p2p_comm": f"{TRANSFORMER}.overlap_p2p_comm",
+    "optimizer_cpu_offload": f"{OPTIMIZER}.optimizer_cpu_offload",
+    "optimizer_cpu_offload_fraction": f"{OPTIMIZER}.optimizer_offload_fraction",
+    "precision_aware_optimizer": f"{ACTOR}.optim.use_precision_aware_optimizer",
+    "param_offload": f"{MEGATRON}.param_offload",
+    "optimizer_offload": f"{MEGATRON}.optimizer_offload",
+}
+FSDP_KEYS = {
+    "ulysses_sp": f"{FSDP}.ulysses_sequence_parallel_size",
+    "fsdp_size": f"{FSDP}.fsdp_size",
+    "model_dtype": f"{FSDP}.model_dtype",
+    "gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "param_offload": f"{FSDP}.param_offload",
+    "optimizer_offload": f"{FSDP}.optimizer_offload",
+}
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _read(cfg: DictConfig, key: str, kind: str):
+    """The value of ``key`` as ``kind`` (a Layout annotation: ``int``, ``float | None``, ...), or None where the job
+    leaves it unset or null. Raises :class:`LayoutError` naming the key."""
     try:
-        value = OmegaConf.select(cfg, key, default=default)
+        value = OmegaConf.select(cfg, key, default=None)
     except OmegaConfBaseException as err:  # an interpolation that does not resolve
         raise LayoutError(f"{key}: {str(err).strip().splitlines()[0]}") from None
-    return default if value is None else value
-
-
-def _int(cfg: DictConfig, key: str, default: int) -> int:
-    value = _get(cfg, key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
+    base = kind.split(" | ")[0]
+    if value is None or base == "str":
+        return None if value is None else str(value)
+    if isinstance(value, bool) != (base == "bool") or not isinstance(value, int | float):
+        raise LayoutError(f"{key} must be {_KINDS[base]}, got {value!r}")
+    if base == "int" and not isinstance(value, int):
         raise LayoutError(f"{key} must be an integer, got {value!r}")
-    return value
+    return float(value) if base == "float" else value
 
 
-def _opt_int(cfg: DictConfig, key: str) -> int | None:
-    return None if _get(cfg, key) is None else _int(cfg, key, 0)
-
-
-def _float(cfg: DictConfig, key: str, default: float) -> float:
-    value = _get(cfg, key, default)
-    if isinstance(value, bool):
-        raise LayoutError(f"{key} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise LayoutError(f"{key} must be a number, got {value!r}") from None
-
-
-def _bool(cfg: DictConfig, key: str, default: bool) -> bool:
-    value = _get(cfg, key, default)
-    if not isinstance(value, bool):
-        raise LayoutError(f"{key} must be true or false, got {value!r}")
-    return value
-
-
-def _opt_bool(cfg: DictConfig, key: str) -> bool | None:
-    return None if _get(cfg, key) is None else _bool(cfg, key, False)
+def _read_all(cfg: DictConfig, keys: dict[str, str]) -> dict:
+    kinds = {f.name: f.type for f in fields(Layout)}
+    values = {name: _read(cfg, key, kinds[name]) for name, key in keys.items()}
+    return {name: value for name, value in values.items() if value is not None or "None" in kinds[name]}
 
 
 def layout_from_config(cfg: DictConfig) -> Layout:
     """Read a :class:`Layout` from a composed (resolvable) job config."""
-    actor = "actor_rollout_ref.actor"
-    strategy = _get(cfg, f"{actor}.strategy", "fsdp")
-    backend = "megatron" if strategy == "megatron" else "fsdp"
-    common = dict(
-        backend=backend,
-        nnodes=_int(cfg, "trainer.nnodes", 1),
-        gpus_per_node=_int(cfg, "trainer.n_gpus_per_node", 8),
-        use_dynamic_bsz=_bool(cfg, f"{actor}.use_dynamic_bsz", False),
-        ppo_max_token_len_per_gpu=_int(cfg, f"{actor}.ppo_max_token_len_per_gpu", 16384),
-        log_prob_max_token_len_per_gpu=_int(cfg, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 16384),
-        ppo_micro_batch_size_per_gpu=_opt_int(cfg, f"{actor}.ppo_micro_batch_size_per_gpu"),
-        train_batch_size=_int(cfg, "data.train_batch_size", 1),
-        ppo_mini_batch_size=_int(cfg, f"{actor}.ppo_mini_batch_size", 1),
-        rollout_n=_int(cfg, "actor_rollout_ref.rollout.n", 1),
-        max_prompt_length=_int(cfg, "data.max_prompt_length", 512),
-        max_response_length=_int(cfg, "data.max_response_length", 512),
-        rollout_tp=_int(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1),
-        rollout_dp=_int(cfg, "actor_rollout_ref.rollout.data_parallel_size", 1),
-        rollout_pp=_int(cfg, "actor_rollout_ref.rollout.pipeline_model_parallel_size", 1),
-        rollout_ep=_int(cfg, "actor_rollout_ref.rollout.expert_parallel_size", 1),
-        rollout_memory_fraction=_float(cfg, "actor_rollout_ref.rollout.gpu_memory_utilization", 0.5),
-        rollout_max_model_len=_opt_int(cfg, "actor_rollout_ref.rollout.max_model_len"),
-        rollout_max_num_seqs=_int(cfg, "actor_rollout_ref.rollout.max_num_seqs", 1024),
-        rollout_name=_get(cfg, "actor_rollout_ref.rollout.name"),
-        free_cache_engine=_bool(cfg, "actor_rollout_ref.rollout.free_cache_engine", True),
-    )
-    if backend == "megatron":
-        mg = f"{actor}.megatron"
-        tp = _int(cfg, f"{mg}.tensor_model_parallel_size", 1)
-        tf = f"{mg}.override_transformer_config"
-        offload_cfg = f"{actor}.optim.override_optimizer_config"
-        cpu_offload = _bool(cfg, f"{offload_cfg}.optimizer_cpu_offload", False)
-        return Layout(
-            **common,
-            tp=tp,
-            pp=_int(cfg, f"{mg}.pipeline_model_parallel_size", 1),
-            vpp=_opt_int(cfg, f"{mg}.virtual_pipeline_model_parallel_size"),
-            cp=_int(cfg, f"{mg}.context_parallel_size", 1),
-            ep=_int(cfg, f"{mg}.expert_model_parallel_size", 1),
-            etp=_int(cfg, f"{mg}.expert_tensor_parallel_size", tp),
-            # verl turns sequence parallelism off by itself when TP is 1 (McoreEngineConfig.__post_init__).
-            sequence_parallel=_bool(cfg, f"{mg}.sequence_parallel", True) and tp > 1,
-            distributed_optimizer=_bool(cfg, f"{mg}.use_distributed_optimizer", True),
-            recompute_granularity=_get(cfg, f"{tf}.recompute_granularity"),
-            recompute_method=_get(cfg, f"{tf}.recompute_method"),
-            recompute_num_layers=_opt_int(cfg, f"{tf}.recompute_num_layers"),
-            moe_dispatcher=_get(cfg, f"{tf}.moe_token_dispatcher_type"),
-            moe_router_dtype=_get(cfg, f"{tf}.moe_router_dtype"),
-            overlap_p2p_comm=_opt_bool(cfg, f"{tf}.overlap_p2p_comm"),
-            optimizer_cpu_offload=cpu_offload,
-            # verl copies override_optimizer_config over its own optim keys (utils/megatron/optimizer.py).
-            precision_aware_optimizer=_bool(
-                cfg,
-                f"{offload_cfg}.use_precision_aware_optimizer",
-                _bool(cfg, f"{actor}.optim.use_precision_aware_optimizer", False),
-            ),
-            optimizer_cpu_offload_fraction=(
-                _float(cfg, f"{offload_cfg}.optimizer_offload_fraction", 0.0) if cpu_offload else 0.0
-            ),
-            param_offload=_bool(cfg, f"{mg}.param_offload", False),
-            optimizer_offload=_bool(cfg, f"{mg}.optimizer_offload", False),
-            replay=replay_mode(cfg),
-        )
-    fs = f"{actor}.fsdp_config"
-    sp = _int(cfg, f"{fs}.ulysses_sequence_parallel_size", 1)
-    sp = max(sp, _int(cfg, f"{actor}.ulysses_sequence_parallel_size", 1))  # verl forwards the deprecated key
-    return Layout(
-        **common,
-        ulysses_sp=sp,
-        fsdp_size=_int(cfg, f"{fs}.fsdp_size", -1),
-        model_dtype=str(_get(cfg, f"{fs}.model_dtype", "fp32")),
-        gradient_checkpointing=_bool(cfg, "actor_rollout_ref.model.enable_gradient_checkpointing", True),
-        param_offload=_bool(cfg, f"{fs}.param_offload", False),
-        optimizer_offload=_bool(cfg, f"{fs}.optimizer_offload", False),
-    )
+    backend = "megatron" if _read(cfg, f"{ACTOR}.strategy", "str") == "megatron" else "fsdp"
+    common = _read_all(cfg, COMMON_KEYS)
+    if backend == "fsdp":
+        fsdp = _read_all(cfg, FSDP_KEYS)
+        deprecated = _read(cfg, f"{ACTOR}.ulysses_sequence_parallel_size", "int")  # verl forwards the old key
+        fsdp["ulysses_sp"] = max(fsdp.get("ulysses_sp", 1), 1 if deprecated is None else deprecated)
+        return Layout(backend=backend, **common, **fsdp)
+    mg = _read_all(cfg, MEGATRON_KEYS)
+    tp = mg.get("tp", 1)
+    mg.setdefault("etp", tp)  # verl passes null to megatron, which then uses TP
+    # verl turns sequence parallelism off by itself when TP is 1 (McoreEngineConfig.__post_init__).
+    mg["sequence_parallel"] = mg.get("sequence_parallel", True) and tp > 1
+    precision_aware = _read(cfg, f"{OPTIMIZER}.use_precision_aware_optimizer", "bool")
+    if precision_aware is not None:  # the override wins over the optim key
+        mg["precision_aware_optimizer"] = precision_aware
+    if not mg.get("optimizer_cpu_offload", False):
+        mg["optimizer_cpu_offload_fraction"] = 0.0
+    return Layout(backend=backend, **common, **mg, replay=replay_mode(cfg))
