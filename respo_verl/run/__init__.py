@@ -3,10 +3,12 @@
 - before Ray: ``compose`` (the job as verl's or our entry point composes it), ``jobcheck`` (a composed job that
   would fail late), ``datacheck`` (the parquet files), ``requirements`` (what the job needs on every node),
   ``resolvers`` (the presets' run name and save frequency);
-- once Ray is up: ``preflight`` (every node imports the package, sees its registrations and has what the job needs);
-- while it trains: ``trainer`` (verl's trainer with the run guard, failed-sample counts, the stop on request and the
-  liveness watch), ``checkpoint`` (fingerprints, resume plans, the stop request);
-- when it ends: ``reaper`` (no Ray process outlives the driver);
+- once Ray is up: ``preflight`` (every node imports the package, has what the job needs and sees the run's folders),
+  ``nodes`` (where each role runs, a lost node);
+- while it trains: ``trainer`` (its registration) and ``respo_trainer`` (verl's trainer with the guards, the phase
+  record and the stop on request), ``hooks`` (its patches of verl's objects), ``guards``, ``liveness`` (the actors
+  a step waits on), ``watchdog`` (the driver's bounds on each phase), ``checkpoint`` (fingerprints, resume plans);
+- when it ends: ``stops`` (one line and an exit status), ``reaper`` (no Ray process outlives the driver);
 - ``launch``: the entry point's steps, in order.
 
 verl's entry point (``python -m respo_verl.main_ppo``) calls these; the glue that registers them with verl is

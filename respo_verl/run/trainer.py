@@ -15,10 +15,9 @@ which waits until verl imports its V1 trainers) and selected by the algorithm pr
   :mod:`respo_verl.run.watchdog`), the trainer saves a checkpoint at the end of the current step and ends the run.
 - **samples in the order of the data loader.** verl's replay buffer hands a step its samples in the order the
   rollouts finished; the trainer puts them in the data loader's order of their prompts, then by sample
-  (:func:`respo_verl.run.respo_trainer.in_prompt_order`), so that a step's batch, and every sum over it, does not
-  depend on the rollouts' timing.
-  Two runs with verl's ``rollout.full_determinism`` (and a resumed run and an uninterrupted one) then agree to the
-  last bit in every metric, not only in the weights.
+  (:func:`respo_verl.run.hooks.in_prompt_order`), so that a step's batch, and every sum over it, does not depend on
+  the rollouts' timing. Two runs with verl's ``rollout.full_determinism`` (and a resumed run and an uninterrupted
+  one) then agree to the last bit in every metric, not only in the weights.
 - **guards** on every step's metrics (:mod:`respo_verl.run.guards`, the ``run_guard`` node of the presets): samples
   whose reward or rollout failed above a share, and a collapsed policy, stop the run with the metric and the step
   named. A guard on a step's metrics first logs that step, to every logger verl was given, with
