@@ -22,9 +22,9 @@ from omegaconf import DictConfig
 
 from respo_verl import algorithms
 from respo_verl.cpu.preset import check_cpu_job, is_cpu_job, prepare_driver
+from respo_verl.data.check import DataCheckError
 from respo_verl.entry_points import CONFIG_PACKAGE, PRIMARY_CONFIG
 from respo_verl.run import launch
-from respo_verl.run.datacheck import DataCheckError
 from respo_verl.run.jobcheck import MachineCheckError, ModelCheckError, check_job
 from respo_verl.run.stops import EXIT_REFUSED
 

@@ -19,9 +19,9 @@ LAYERS = (
     {"algorithms", "entry_points", "protocol", "core"},  # imports nothing of the package but its own layer
     {"patches"},  # the one patch helper and the patched libraries
     {"routing"},  # route drift, HF and megatron-core replay, the route-drift engine
-    {"layout"},  # a job's parallel layout, its model's shape, the rules megatron-core, vLLM and verl hold them to
+    {"layout", "data"},  # a job's parallel layout and the rules it is held to; its data, and their check
     {"run"},  # a run's lifecycle: composition, checks before Ray, preflight, the trainer, checkpoints, the reaper
-    {"verl", "data"},  # verl glue: losses, estimator, config, the plugin that registers them (and the run's trainer)
+    {"verl"},  # verl glue: losses, estimator, config, the plugin that registers them (and the run's trainer)
     {"cpu"},  # verl on a CPU machine
     {"tools"},  # plan, sweep, report, runs, demo
     {"cli", "main_ppo"},  # the entry points

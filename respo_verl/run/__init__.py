@@ -1,7 +1,8 @@
 """A run's lifecycle, from the command line to its last checkpoint.
 
 - before Ray: ``compose`` (the job as verl's or our entry point composes it), ``jobcheck`` (a composed job that
-  would fail late), ``datacheck`` (the parquet files), ``requirements`` (what the job needs on every node),
+  would fail late), :mod:`respo_verl.data.check` (the parquet files), ``requirements`` (what the job needs on every
+  node),
   ``resolvers`` (the presets' run name and save frequency);
 - once Ray is up: ``preflight`` (every node imports the package, has what the job needs and sees the run's folders),
   ``nodes`` (where each role runs, a lost node);

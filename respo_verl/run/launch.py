@@ -16,7 +16,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from respo_verl.run.datacheck import check_data
+from respo_verl.data.check import check_data
 from respo_verl.run.jobcheck import check_machine, check_model
 from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
 
