@@ -1,4 +1,4 @@
-"""respo_verl.run.datacheck: real parquet files in verl's RLHF schema (respo_verl.data.common), the composed jobs of
+"""respo_verl.data.check: real parquet files in verl's RLHF schema (respo_verl.data.common), the composed jobs of
 the entry point (verl's default_compute_score; the ``+device=cpu`` preset's kit reward), and the real reward functions
 loaded as verl loads them."""
 
@@ -13,9 +13,9 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from respo_verl.cpu.kit.task import DATA_SOURCE as KIT_SOURCE
+from respo_verl.data.check import DataCheckError, check_data
 from respo_verl.data.common import VERL_SCHEMA, make_row, write_parquet
 from respo_verl.run.compose import compose_job
-from respo_verl.run.datacheck import DataCheckError, check_data
 
 DAPO_ROWS = 17_000  # DAPO-Math-17k's size
 ROW_GROUP = 1_000  # several row groups, so the columns are read back in several chunks
