@@ -56,6 +56,7 @@ def test_uint8_routes_stay_uint8_and_every_other_field_is_verls(patched):
 def test_other_dtypes_take_verls_path_and_remove_restores_it():
     from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
+    was_applied = ROUTES_UINT8.remove()  # the plugin applies it with the route-drift engines
     original = vars(AgentLoopOutput)["as_dict"]
     assert ROUTES_UINT8.apply()
     try:
@@ -64,7 +65,9 @@ def test_other_dtypes_take_verls_path_and_remove_restores_it():
         assert "routed_experts" not in _output(None).as_dict()
     finally:
         ROUTES_UINT8.remove()
-    assert vars(AgentLoopOutput)["as_dict"] is original
+        assert vars(AgentLoopOutput)["as_dict"] is original
+        if was_applied:
+            ROUTES_UINT8.apply()
 
 
 def test_the_transfer_queue_batches_them_as_jagged_uint8(patched):
