@@ -1,0 +1,461 @@
+"""Two Ray nodes on one host, started by scripts/launch/ray_cluster.sh with the real ``ray`` (docs/cluster.md, "Two
+nodes on one host").
+
+The head runs at this host's address (Ray's choice for a head started at 127.0.0.1) and the worker at 127.0.0.2
+(Linux routes all of 127.0.0.0/8 to loopback), one fake GPU slot and 8 logical CPUs each, so that verl's one
+placement group per node must land on different raylets. Both use the token file the script makes; a third node
+started with another token is refused. The worker runs in a mount namespace of its own (``unshare --mount``) where a
+folder of the host is an empty tmpfs: a node-local folder, which the head sees and the worker does not.
+
+On that cluster: the node preflight refuses a checkpoint root that only the head sees, naming the worker and the
+path (no verl driver: the preflight itself, as the driver runs it before the TaskRunner); then one Megatron R3 run
+with verl's vLLM server, one rank and one server per node, expert parallel 2 across the nodes (gloo between the two
+addresses), submitted by ``respo-verl sweep --ray`` into a fresh ``--out``. After its log holds step 3, the worker's
+raylet and its process tree are SIGKILLed: the run stops in one line naming the node, its roles and the step. The
+worker comes back and the same sweep, run again unchanged, resubmits the run: it resumes from its checkpoint of step
+2 and its step 3 equals the lost run's step 3 to the last bit (verl's full determinism), but for vLLM's own
+log-probs of the same tokens, which a fresh engine repeats to about 1e-9 only. Two verl drivers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from support import cpu_runs, ray_auth
+from support.ranks import free_port
+from support.trainer_checks import assert_weights_synced
+
+from respo_verl.run.nodes import MARKER, SharedFolders, unseen
+from respo_verl.run.reaper import reap
+from respo_verl.run.stops import EXIT_ACTOR_DIED
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts/launch/ray_cluster.sh"
+BIN = Path(sys.executable).parent
+HEAD_IP, WORKER_IP, REFUSED_IP = "127.0.0.1", "127.0.0.2", "127.0.0.3"
+# Ports a node takes by default: a second node on the host needs its own (the head's are taken).
+NODE_PORTS = (
+    "node-manager-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "metrics-export-port",
+)
+START_S = 180  # a node's start on a busy 2-core machine
+
+
+def _ports(*names: str) -> list[str]:
+    return [f"--{name}={free_port()}" for name in names]
+
+
+class TwoNodes:
+    """A head and a worker started by the script; ``stop()`` reaps every process of both."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.temp = tempfile.mkdtemp(prefix="rv2n-", dir="/tmp")  # Ray's socket paths must stay short
+        self.local = root / "node-local"  # an empty tmpfs on the worker
+        self.local.mkdir()
+        self.token = root / "token"
+        self.gcs, self.dashboard_port = free_port(), free_port()
+        self.address = f"{HEAD_IP}:{self.gcs}"
+        self.dashboard = f"http://{HEAD_IP}:{self.dashboard_port}"
+        self.worker: subprocess.Popen | None = None
+        self.head_node, self.refused = HEAD_IP, (None, "")
+        self.worker_out = root / "worker.txt"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The nodes' environment: this interpreter's ``python3`` and ``ray`` first on PATH, the token in its file."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VERL_FILE_LOGGER"))}
+        env.update(cpu_runs.run_env(None))
+        env = {k: v for k, v in env.items() if not k.startswith("RAY_")}
+        env.update(
+            PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            RAY_AUTH_TOKEN_PATH=str(self.token),
+            RAY_PORT=str(self.gcs),
+            NUM_GPUS="1",
+            NUM_CPUS="8",
+            RAY_TMPDIR=self.temp,
+            DASHBOARD_PORT=str(self.dashboard_port),
+        )
+        return {**env, **extra}
+
+    def client_env(self) -> dict[str, str]:
+        """A client's environment (the sweep, a driver): token auth with the cluster's token."""
+        return {**self.env(), "RAY_AUTH_MODE": "token", "RAY_ADDRESS": self.address}
+
+    def start_head(self) -> None:
+        # The session's token in the file, so that this test process's clients (ray_auth) hold it too.
+        self.token.write_text(ray_auth.env()[ray_auth.TOKEN] + "\n")
+        self.token.chmod(0o600)
+        command = ["bash", str(SCRIPT), "head", "--include-dashboard=true", "--disable-usage-stats"]
+        command += _ports("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port")
+        command += _ports("metrics-export-port", "ray-client-server-port")
+        done = subprocess.run(
+            command,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=START_S,
+            start_new_session=True,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def worker_command(self, ip: str) -> list[str]:
+        script = f"bash {SCRIPT} worker {HEAD_IP} " + " ".join(_ports(*NODE_PORTS))
+        # Its own mount namespace: the node-local folder is an empty tmpfs there.
+        inner = f"mount -t tmpfs tmpfs {self.local} && exec {script}"
+        return ["unshare", "--mount", "--propagation", "private", "bash", "-c", inner]
+
+    def start_worker(self, ip: str = WORKER_IP, token: Path | None = None, out: Path | None = None):
+        env = self.env(NODE_IP=ip, **({"RAY_AUTH_TOKEN_PATH": str(token)} if token else {}))
+        with (out or self.worker_out).open("a") as fh:
+            proc = subprocess.Popen(
+                self.worker_command(ip), env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        if token is None:
+            self.worker = proc
+            self.wait_for_nodes(2)
+        return proc
+
+    def alive_nodes(self) -> list[str]:
+        code = "import ray; ray.init(); print(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))"
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=self.client_env(), capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+    def wait_for_nodes(self, count: int) -> None:
+        deadline = time.monotonic() + START_S
+        while len(self.alive_nodes()) != count:
+            assert self.worker is None or self.worker.poll() is None, self.worker_out.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{count} nodes not alive after {START_S} s"
+            time.sleep(2)
+
+    def kill_worker(self) -> None:
+        """SIGKILL the worker node: its raylet and every process below it, at once."""
+        top = psutil.Process(self.worker.pid)
+        tree = [top, *top.children(recursive=True)]
+        for proc in tree:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        self.worker.wait(timeout=60)
+        self.worker = None
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.kill_worker()
+        reap([], self.temp)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def test_a_node_that_does_not_see_the_marker_or_the_data_says_what_it_misses(tmp_path):
+    root, data = tmp_path / "ckpt", tmp_path / "train.parquet"
+    root.mkdir()
+    data.write_bytes(b"rows")
+    folders = SharedFolders(str(root / MARKER), "t0ken", ((str(data), 4),))
+    (root / MARKER).write_text("t0ken")
+    assert unseen(folders) == []
+    (root / MARKER).write_text("other")
+    data.write_bytes(b"row")
+    assert unseen(folders) == [
+        f"does not see the checkpoint root {root} (the driver's marker {MARKER} holds another run's token)",
+        f"does not see the data file {data} (3 bytes here)",
+    ]
+    (root / MARKER).unlink()
+    data.unlink()
+    assert unseen(folders) == [
+        f"does not see the checkpoint root {root} (the driver's marker {MARKER} is not there)",
+        f"does not see the data file {data}",
+    ]
+
+
+# --- the cluster and its runs (slow) ------------------------------------------------------------------------------
+
+RUN = "cpu-moe-respo-n2-s0"  # the sweep's one run: <model>-<algorithm>-n<N>-s<seed>
+STEPS, KILL_AFTER_STEP = 4, 3  # a checkpoint every 2 steps: the lost run resumes from step 2 and redoes step 3
+LOST_WITHIN_S = 60  # from the SIGKILL of the worker to the job's end
+TIMEOUT_S = 1200
+# The same job on one node or two: a Megatron rank and a vLLM server per node, expert parallel 2 across them.
+TWO_NODE_JOB = (
+    "model_engine=megatron",
+    "+device=cpu_megatron",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.actor.optim.lr=1e-4",
+    "trainer.nnodes=2",
+    "trainer.n_gpus_per_node=1",
+    "~ray_kwargs.ray_init.num_cpus",  # the job joins the cluster: its nodes say what they have
+    "~ray_kwargs.ray_init.num_gpus",
+    *(f"actor_rollout_ref.{role}.megatron.expert_model_parallel_size=2" for role in ("actor", "ref")),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    *(f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu=4" for role in ("ref", "rollout")),
+    "trainer.save_freq=2",
+    "actor_rollout_ref.rollout.full_determinism=true",
+    "data.shuffle=false",
+)
+# Every role of the job is an actor process: none may be left on the surviving node once the job has ended.
+JOB_PROCESSES = ("ray::WorkerDict", "ray::TaskRunner", "ray::vLLMHttpServer", "VLLM::EngineCore", "ray::AgentLoop")
+_UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/")
+# Metrics of vLLM's log-probs against the trainer's, and their bound across a resume (seen: 2.4e-10).
+SAMPLER_KEYS, SAMPLER_GAP = ("rollout_corr/", "training/rollout_probs_diff"), 1e-6
+
+
+def _sweep(cluster: TwoNodes, out: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "respo_verl.cli", "sweep", "--ray", cluster.dashboard, "--out", str(out),
+        "--model", "cpu-moe", "--algos", "respo", "--reuse", "2", "--seeds", "0", "--mini-batch", "2",
+        "--optimizer-steps", str(2 * STEPS), "--routing", "r3", "--", *TWO_NODE_JOB,
+    ]  # fmt: skip
+
+
+def _ray_python(cluster: TwoNodes, code: str) -> str:
+    """``code`` in a fresh client of the cluster (so that this test process never joins it); its output."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import ray\nray.init()\n" + code],
+        env=cluster.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _job_processes(cluster: TwoNodes) -> list[str]:
+    """The job's processes left on the head: below a process of its session (its temp dir in their command lines)."""
+    found = {}
+    for root in psutil.process_iter(["cmdline"]):
+        if cluster.temp in " ".join(root.info["cmdline"] or ()):
+            try:
+                below = root.children(recursive=True)
+            except psutil.Error:
+                continue
+            for proc in below:
+                try:
+                    line = " ".join(proc.cmdline())
+                except psutil.Error:
+                    continue
+                if line.startswith(JOB_PROCESSES):
+                    found[proc.pid] = f"{proc.pid} {line[:80]}"
+    return sorted(found.values())
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from respo_verl.cpu.kit.build import KitSpec, build_kit
+
+    build_kit(KitSpec(moe=True), progress=False)
+    root = Path(tempfile.mkdtemp(prefix="rv2n-", dir="/tmp"))
+    nodes = TwoNodes(root)
+    try:
+        nodes.start_head()
+        # A node with another token, started beside the real worker: the head refuses it.
+        other = root / "other-token"
+        other.write_text("0" * 64 + "\n")
+        other.chmod(0o600)
+        refused = nodes.start_worker(REFUSED_IP, token=other, out=root / "refused.txt")
+        nodes.start_worker()
+        refused.wait(timeout=START_S)
+        nodes.refused = (refused.returncode, (root / "refused.txt").read_text(errors="replace"))
+        # Ray advertises a head at 127.0.0.1 under this host's own address (127.0.0.1 where it has none).
+        nodes.head_node = next(ip for ip in nodes.alive_nodes() if ip != WORKER_IP)
+        yield nodes
+    finally:
+        nodes.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_script_starts_two_nodes_with_token_auth_and_refuses_another_token(cluster):
+    alive = cluster.alive_nodes()
+    assert len(alive) == 2 and WORKER_IP in alive and REFUSED_IP not in alive, alive
+    rc, out = cluster.refused
+    assert rc != 0, out[-3000:]
+    assert "AuthenticationError" in out and "Authentication token is missing or incorrect" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_node_that_does_not_see_the_checkpoint_root_stops_the_preflight_naming_it(cluster):
+    """The node preflight as the driver runs it before the TaskRunner, with the job's folders: a checkpoint root in
+    the worker's node-local folder stops it in one line naming the worker and the path; shared folders pass."""
+    data = cluster.root / "train.parquet"
+    data.write_bytes(b"rows")
+    code = f"""
+from omegaconf import OmegaConf
+from respo_verl.run.nodes import shared_folders
+from respo_verl.run.preflight import check_ray_nodes
+
+def job(root):
+    return OmegaConf.create({{"trainer": {{"default_local_dir": root}}, "data": {{"train_files": [{str(data)!r}]}}}})
+
+check_ray_nodes(timeout_s=300, folders=shared_folders(job({str(cluster.root / "ckpt")!r})))
+print("shared: passed")
+try:
+    check_ray_nodes(timeout_s=300, folders=shared_folders(job({str(cluster.local / "ckpt")!r})))
+except RuntimeError as exc:
+    print("local:", exc)
+"""
+    out = _ray_python(cluster, code)
+    assert "shared: passed" in out, out
+    (line,) = [line for line in out.splitlines() if line.startswith("local:")]
+    assert line == (
+        f"local: respo-verl preflight failed: node {WORKER_IP} ({os.uname().nodename}) does not see the checkpoint "
+        f"root {cluster.local / 'ckpt'} (the driver's marker {MARKER} is not there): every node must see the "
+        "checkpoint root and the data at the driver's paths (shared storage)"
+    )
+    assert not (cluster.local / "ckpt" / MARKER).exists()  # the driver's marker is removed afterwards
+
+
+@pytest.fixture(scope="module")
+def lost_and_resumed(cluster):
+    """The sweep's run on two nodes, its worker node lost in step 4, the node back, the same sweep again."""
+    from respo_verl.tools.sweep.runner import connect
+
+    out = cluster.root / "sweep"  # fresh: the sweep makes its folders, the job's logger its log's
+    log = out / "logs" / f"{RUN}.jsonl"
+    client = connect(cluster.dashboard)
+    result: dict = {"out": out}
+    cpu_runs.record_drivers(1, "respo_verl.main_ppo (sweep --ray, two nodes, the node lost)")
+    with (cluster.root / "sweep-1.txt").open("w") as fh:
+        sweep = subprocess.Popen(
+            _sweep(cluster, out), env=cluster.client_env(), stdout=fh, stderr=subprocess.STDOUT, cwd=cluster.root
+        )
+    deadline = time.monotonic() + TIMEOUT_S
+    while sweep.poll() is None and max(cpu_runs.logged_steps(log), default=0) < 1:
+        assert time.monotonic() < deadline, (cluster.root / "sweep-1.txt").read_text()[-3000:]
+        time.sleep(1)
+    jobs = [j for j in client.list_jobs() if (j.metadata or {}).get("respo_verl_run") == RUN]
+    (job,) = jobs
+    result["placement"] = _ray_python(
+        cluster, f"from respo_verl.run.nodes import record_placement\nrecord_placement({job.job_id!r})"
+    )
+    while sweep.poll() is None and max(cpu_runs.logged_steps(log), default=0) < KILL_AFTER_STEP:
+        assert time.monotonic() < deadline, (cluster.root / "sweep-1.txt").read_text()[-3000:]
+        time.sleep(0.5)
+    killed_at = time.time()
+    cluster.kill_worker()
+    # What the driver asks when its run ends with an actor error, asked here too while the job ends.
+    result["asked"] = _ray_python(
+        cluster,
+        "from ray.exceptions import ActorDiedError\nfrom respo_verl.run.nodes import lost_node_stop\n"
+        f"print('asked:', lost_node_stop(ActorDiedError(), {KILL_AFTER_STEP + 1}, job={job.job_id!r}))",
+    )
+    sweep.wait(timeout=TIMEOUT_S)
+    result["first"] = (sweep.returncode, (cluster.root / "sweep-1.txt").read_text())
+    info = client.get_job_info(job.submission_id)
+    result["lost_after_s"] = info.end_time / 1000 - killed_at if info.end_time else None
+    result["status"] = str(info.status)
+    time.sleep(5)  # Ray ends a finished job's actors at once; a leftover would be there for good
+    result["leftovers"] = _job_processes(cluster)
+    result["lost_lines"] = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    result["lost_out"] = (out / "logs" / f"{RUN}.out").read_text(errors="replace")
+    # The node comes back; the same sweep, run again unchanged, resubmits the run.
+    cluster.start_worker()
+    cpu_runs.record_drivers(1, "respo_verl.main_ppo (sweep --ray, two nodes, resumed)")
+    again = subprocess.run(
+        _sweep(cluster, out), env=cluster.client_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    result["again"] = (again.returncode, again.stdout + again.stderr)
+    result["lines"] = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    result["out_text"] = (out / "logs" / f"{RUN}.out").read_text(errors="replace")
+    return result
+
+
+def _placement(text: str) -> dict[str, str]:
+    """{role: node address} from the ``respo_verl placement: ...`` lines of ``text``."""
+    return dict(re.findall(r"respo_verl placement: (.+?): node (\S+) ", text))  # after Ray's prefix, if any
+
+
+@pytest.mark.slow
+def test_ranks_and_vllm_servers_are_placed_one_per_node_and_the_run_says_where(cluster, lost_and_resumed):
+    """The roles as Ray's actor table has them (the placement record), read while the run trains, and the run's own
+    lines (the trainer logs them once its workers exist)."""
+    for text in (lost_and_resumed["placement"], lost_and_resumed["lost_out"]):
+        where = _placement(text)
+        nodes = {cluster.head_node, WORKER_IP}
+        assert {where.get("update worker rank 0"), where.get("update worker rank 1")} == nodes, text
+        assert {where.get("rollout server 0"), where.get("rollout server 1")} == nodes, text
+        assert where.get("trainer") in nodes, text
+
+
+@pytest.mark.slow
+def test_a_lost_node_stops_the_run_in_one_line_naming_it_its_roles_and_the_step(lost_and_resumed):
+    result = lost_and_resumed
+    rc, out = result["first"]
+    assert rc != 0 and f"run {RUN} failed" in out, out[-3000:]
+    lost = (
+        rf"step {KILL_AFTER_STEP + 1}: node {re.escape(WORKER_IP)} \(Ray node [0-9a-f]{{12}}\) was lost with (.*); "
+        r"once the node is back, submit the job again: it resumes from its last checkpoint"
+    )
+    (asked,) = [line for line in result["asked"].splitlines() if line.startswith("asked: ")]
+    found = re.fullmatch("asked: " + lost, asked)
+    assert found, asked
+    # The roles the placement record put on the worker, one update worker rank and one vLLM server among them.
+    roles, placed = (
+        set(found.group(1).split(", ")),
+        {r for r, ip in _placement(result["placement"]).items() if ip == WORKER_IP},
+    )
+    assert placed <= roles, (placed, roles)
+    assert len([r for r in roles if r.startswith(("update worker rank", "rollout server"))]) == 2, roles
+    assert result["status"] == "FAILED" and result["lost_after_s"] is not None, result["status"]
+    assert result["lost_after_s"] < LOST_WITHIN_S, result["lost_after_s"]
+    assert result["leftovers"] == [], result["leftovers"]
+    stopped = cpu_runs.stop_line(result["lost_out"], rf"\(lost node, exit {EXIT_ACTOR_DIED}\): " + lost)
+    assert stopped.group(1) == found.group(1), (stopped.group(1), found.group(1))
+
+
+@pytest.mark.slow
+def test_the_resubmitted_run_resumes_and_repeats_the_lost_runs_step(lost_and_resumed):
+    """The resumed run redoes step 3 from the checkpoint of step 2 and equals the lost run's step 3, except for
+    vLLM's log-probs of the same tokens (bounded)."""
+    result = lost_and_resumed
+    rc, out = result["again"]
+    assert rc == 0, out[-3000:]
+    assert "Resuming from" in result["out_text"] and "global_step_2" in result["out_text"], result["out_text"][-3000:]
+    lost = [line for line in result["lost_lines"] if "step" in line]
+    assert [line["step"] for line in lost] == list(range(1, KILL_AFTER_STEP + 1)), lost
+    lines = result["lines"]
+    tail = [line.get("step", line.get("event")) for line in lines[len(result["lost_lines"]) :]]
+    assert tail == ["resume", 3, 4], tail
+    resumed = {line["step"]: line["data"] for line in lines[len(result["lost_lines"]) :] if "step" in line}
+    want, got = lost[KILL_AFTER_STEP - 1]["data"], resumed[KILL_AFTER_STEP]
+    keys = {k for k in want if not any(part in k for part in _UNTIMED)}
+    assert keys == {k for k in got if not any(part in k for part in _UNTIMED)}
+    assert any(line["data"]["actor/grad_norm"] > 0 for line in lost), lost
+    differing = {k: (got[k], want[k]) for k in sorted(keys) if got[k] != want[k]}
+    # Tokens, rewards, advantages, the trainer's log-probs, the loss and the update: to the last bit. vLLM's own
+    # log-probs of those tokens (what the sampler-agreement keys compare) do not repeat to the last bit between a
+    # fresh engine and one that served the steps before: bounded.
+    exact = {k: v for k, v in differing.items() if not k.startswith(SAMPLER_KEYS)}
+    assert not exact, (sorted(differing), exact)
+    gaps = {k: abs(a - b) for k, (a, b) in differing.items()}
+    assert all(gap <= SAMPLER_GAP for gap in gaps.values()), gaps
+
+
+@pytest.mark.slow
+def test_every_step_on_two_nodes_replays_vllms_routes_and_agrees_with_the_sampler(lost_and_resumed):
+    """The one-node R3 run's checks (tests/cpu/test_cpu_vllm.py) on the two-node run: routes replayed in both passes,
+    each replayed route the trainer's router's own top-k at compute_log_prob, the sampler-agreement bound."""
+    steps = [line for line in lost_and_resumed["lines"] if "step" in line]
+    assert_weights_synced(steps)
+    for line in steps:
+        data = line["data"]
+        assert data["actor/routing/compute_log_prob/replayed_tokens"] > 0, (line["step"], data)
+        assert data["actor/routing/replayed_tokens"] > 0, (line["step"], data)
+        flips = {k: v for k, v in data.items() if k.startswith("actor/routing/compute_log_prob/flip_frac/layer_")}
+        assert len(flips) == 2 and set(flips.values()) == {0.0}, (line["step"], flips)
+        assert data["actor/routing/compute_log_prob/any_layer_flip_frac"] == 0.0
