@@ -32,8 +32,6 @@ import torch
 from respo_verl.patches import Patch
 
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
-# vLLM's capture buffer holds expert ids as uint8 up to this many experts (uint16 above).
-UINT8_MAX_EXPERTS = 256
 SWITCH_OFF_ENV = "RESPO_VERL_ROUTES_INT16"
 
 

@@ -29,6 +29,11 @@ metrics, keeps only ``mfu``. So:
   next training call as ``routing/compute_log_prob/...``, summed over all forward-only calls since the last one
   (absent when none replayed anything).
 
+R3's routes themselves are counted too: the forward-only calls' ``routed_experts`` bytes, reported with the next
+training call as ``routing/compute_log_prob/route_bytes`` (summed over the data-parallel group), ``..._per_sample``
+and ``..._max_rank`` (:func:`route_bytes_metrics`). :data:`REGISTRATION` also applies
+:data:`respo_verl.patches.verl_0_9_1_routes.ROUTES_UINT8`, which keeps them uint8 on their way.
+
 Per-layer sums are added over all ranks by :func:`respo_verl.routing.megatron.reduce_route_drift` (a small
 ``all_reduce`` per training call, every rank of the engine's world takes part) before the ratios are formed; with
 PP > 1 ``any_layer_flip_frac`` is reported per stage (the whole-model value is at least their maximum). The values
