@@ -1,36 +1,24 @@
-"""The respo-verl trainer: verl 0.9.1's synchronous PPO trainer with the guards a days-long run needs.
+"""The respo-verl trainer's registration: verl 0.9.1's synchronous PPO trainer with the guards a days-long run needs.
 
 Registered through verl's public trainer registry as ``respo_sync`` (:data:`REGISTRATION`, applied by the plugin,
 which waits until verl imports its V1 trainers) and selected by the algorithm presets with verl's own
-``trainer.v1.trainer_mode``. It adds, to verl's ``PPOTrainerSync`` and nothing else:
+``trainer.v1.trainer_mode``. The class, :class:`respo_verl.run.respo_trainer.RespoTrainer`, adds to verl's
+``PPOTrainerSync``:
 
-- **checkpoints that know their run.** After verl has saved a checkpoint and logged its step's metrics,
-  :mod:`respo_verl.run.checkpoint`'s marker (the run's fingerprint) is written into it; before verl resumes, the
-  folder is checked: a checkpoint of another configuration stops the run, one without the marker (half-written, or
-  its step's line never logged) is skipped loudly (:func:`respo_verl.run.checkpoint.plan_resume`).
-- **a log that keeps every step.** verl's file logger opens its file with ``"wb"``; the trainer applies
-  :data:`respo_verl.patches.verl_0_9_1.FILE_LOGGER_APPEND`, under which a resumed run appends to its log after a
-  line that marks the resume (:data:`respo_verl.patches.verl_0_9_1.RESUME_EVENT`).
-- **a stop on request.** When the driver has asked for a stop (SIGTERM; the request travels through Ray,
-  :mod:`respo_verl.run.watchdog`), the trainer saves a checkpoint at the end of the current step and ends the run.
-- **samples in the order of the data loader.** verl's replay buffer hands a step its samples in the order the
-  rollouts finished; the trainer puts them in the data loader's order of their prompts, then by sample
-  (:func:`respo_verl.run.hooks.in_prompt_order`), so that a step's batch, and every sum over it, does not depend on
-  the rollouts' timing. Two runs with verl's ``rollout.full_determinism`` (and a resumed run and an uninterrupted
-  one) then agree to the last bit in every metric, not only in the weights.
-- **guards** on every step's metrics (:mod:`respo_verl.run.guards`, the ``run_guard`` node of the presets): samples
-  whose reward or rollout failed above a share, and a collapsed policy, stop the run with the metric and the step
-  named. A guard on a step's metrics first logs that step, to every logger verl was given, with
-  ``respo_verl/stopped`` = 1 (:data:`respo_verl.run.guards.STOPPED_KEY`), then stops the run; non-finite rewards
-  (the advantage computation) and log-probs (the loss) stop it naming the step.
-- **the phase record** the driver's watchdog reads (:mod:`respo_verl.run.watchdog`): which phase of which step
-  runs, what it waits on and whether it progresses; while verl's replay buffer waits for a step's samples, the
-  actors the step waits on are checked for life (:mod:`respo_verl.run.liveness`); a dead actor that a ``ray.get`` of
-  the step meets is named with its step too (:func:`respo_verl.run.stops.stop_for_error`).
+- **checkpoints that know their run**: a marker with the run's fingerprint (:mod:`respo_verl.run.checkpoint`),
+  written once the step's line is logged and checked before a resume;
+- **a log that keeps every step**: a resumed run appends to verl's file log
+  (:data:`respo_verl.patches.verl_0_9_1.FILE_LOGGER_APPEND`);
+- **a stop on request**: on SIGTERM the driver asks, through Ray; the trainer saves at the end of its step and ends;
+- **samples in the data loader's order** (:func:`respo_verl.run.hooks.in_prompt_order`), so that a step's batch does
+  not depend on the rollouts' timing and runs with verl's ``rollout.full_determinism`` agree to the last bit;
+- **guards** on every step's metrics (:mod:`respo_verl.run.guards`): a guard's stop logs its step first, marked
+  ``respo_verl/stopped`` = 1;
+- **the phase record** the driver's watchdog bounds (:mod:`respo_verl.run.watchdog`), and the liveness of the actors
+  a step waits on (:mod:`respo_verl.run.liveness`).
 
-The class is :class:`respo_verl.run.respo_trainer.RespoTrainer`, imported by the registration only (it imports verl).
 Every stop is a :class:`respo_verl.run.stops.RunStopped`, whose class gives the entry point its one line and exit
-status (:mod:`respo_verl.run.stops`).
+status.
 """
 
 from __future__ import annotations
