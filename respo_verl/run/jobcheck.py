@@ -96,34 +96,17 @@ def check_model(cfg: Any) -> None:
     """Raise :class:`ModelCheckError` with one line for a model the run cannot load. It reads the file system, so the
     entry point runs it before a run and not for ``--cfg job``, which may be composed where the model is not.
 
-    Checks:
-        - ``actor_rollout_ref.model.path`` written as a local path (``/``, ``~`` or ``.`` first) that does not exist
-          (a hub id such as ``Qwen/Qwen3-1.7B`` is left to verl);
-        - routing replay with a local model whose ``config.json`` has no experts (the layout rule
-          ``router-replay``, with its own line).
+    Checks ``actor_rollout_ref.model.path`` written as a local path (``/``, ``~`` or ``.`` first) that does not
+    exist (a hub id such as ``Qwen/Qwen3-1.7B`` is left to verl). Routing replay on a local dense model is the layout
+    rule ``router-replay`` of :func:`check_job`.
     """
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    from respo_verl.layout.models import ModelConfigError, shape_from_hf_config
-    from respo_verl.layout.rules import replay_violation
-
     raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
-    if raw is None:
-        return
-    path = Path(str(raw)).expanduser()
-    if str(raw).startswith(("/", "~", ".")) and not path.exists():
+    if raw is not None and str(raw).startswith(("/", "~", ".")) and not Path(str(raw)).expanduser().exists():
         raise ModelCheckError(f"{MODEL_PATH}={raw}: no such file or directory")
-    mode = replay_mode(cfg)
-    if mode == "off" or not (path / "config.json").is_file():
-        return
-    try:
-        shape = shape_from_hf_config(path)
-    except ModelConfigError:
-        return  # not a shape the rules read: left to verl
-    if violation := replay_violation(shape, mode):
-        raise ModelCheckError(f"{violation.message}; {MODEL_PATH}={raw}")
 
 
 class MachineCheckError(ValueError):

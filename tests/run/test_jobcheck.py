@@ -96,17 +96,16 @@ def test_a_local_model_path_that_is_not_there_is_refused_and_a_hub_id_is_left_to
 
 def test_routing_replay_on_a_dense_model_is_refused():
     from respo_verl.cpu.kit.build import KitSpec, build_kit
-    from respo_verl.run.jobcheck import ModelCheckError, check_model
 
     dense = build_kit(KitSpec(), progress=False)
     moe = build_kit(KitSpec(moe=True), progress=False)
     r2 = ("model_engine=megatron", "routing=r2")
-    with pytest.raises(ModelCheckError) as info:
-        check_model(_model_job(dense.model, *r2))
+    with pytest.raises(ValueError) as info:  # the layout rule router-replay, before Ray
+        check_job(_model_job(dense.model, *r2))
     assert "router_replay.mode=R2 (routing replay) needs an MoE model" in str(info.value)
-    assert "model_type 'qwen3'" in str(info.value)
-    check_model(_model_job(moe.model, *r2))
-    check_model(_model_job(dense.model))  # no routing replay: dense is fine
+    assert "model_type 'qwen3'" in str(info.value) and "\n" not in str(info.value)
+    check_job(_model_job(moe.model, *r2))
+    check_job(_model_job(dense.model))  # no routing replay: dense is fine
 
 
 @pytest.mark.parametrize(
