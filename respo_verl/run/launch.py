@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from respo_verl.data.check import check_data
 from respo_verl.run.jobcheck import check_machine, check_model
+from respo_verl.run.nodes import lost_node_stop
 from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
 
 PROG = "respo_verl.main_ppo"  # how the run's own lines name it
@@ -32,17 +33,20 @@ def with_driver_hooks(runner_cls, config: DictConfig):
     preflight and installs the SIGTERM handler (:func:`stop_on_sigterm`; here, because ``ray.init`` installs Ray's
     own handler, which aborts the driver).
 
-    The preflight checks on every node that this package is registered there and that what the job needs
+    The preflight checks on every node that this package is registered there, that what the job needs
     (:func:`respo_verl.run.requirements.job_requirements`: rollout engine, Megatron stack, DeepEP, CUDA GPUs)
-    imports there; a failure ends the run with exit 2 and one line per missing piece, before any model is loaded.
+    imports there, and that it sees the checkpoint root and the data files as the driver does
+    (:func:`respo_verl.run.nodes.shared_folders`); a failure ends the run with exit 2 and one line per problem,
+    before any model is loaded.
     """
+    from respo_verl.run.nodes import shared_folders
     from respo_verl.run.preflight import check_ray_nodes
     from respo_verl.run.requirements import job_requirements
 
     def _before_start():
         stop_local_ray_with_driver()
         try:
-            check_ray_nodes(requirements=job_requirements(config))
+            check_ray_nodes(requirements=job_requirements(config), folders=shared_folders(config))
         except RuntimeError as exc:  # check_ray_nodes raises RuntimeError only for a failed preflight
             print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_REFUSED) from None
@@ -182,7 +186,7 @@ def train(config: DictConfig, check_loss=None) -> None:
     (:func:`respo_verl.run.stops.stop_of`) on stderr before anything else of the stop, and exits with its status
     (``SystemExit``); an error the run does not know is re-raised after its line (exit 1, with its traceback)."""
     check_machine(config)  # before Ray: a cuda job on a machine without CUDA, with a Ray of its own
-    check_model(config)  # before Ray: a model path that is not there, routing replay on a dense model
+    check_model(config)  # before Ray: a model path that is not there
     check_data(config)  # before Ray: rows verl would otherwise train on silently
     import ray
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
@@ -201,15 +205,14 @@ def train(config: DictConfig, check_loss=None) -> None:
     global _WATCHDOG
     try:
         run_ppo(config, task_runner_class=with_driver_hooks(runner_cls, config))
-    except KeyboardInterrupt:  # the watchdog interrupts the wait for the trainer (or a Ctrl-C does)
+    except (KeyboardInterrupt, Exception) as exc:  # the watchdog interrupts the wait for the trainer (as Ctrl-C does)
         stopped = _WATCHDOG.stopped if _WATCHDOG is not None else None
-        if stopped is None:
+        if isinstance(exc, KeyboardInterrupt) and stopped is None:
             raise
-        stop = stop_of(stopped, PROG)
-        print(stop.line, file=sys.stderr, flush=True)
-        raise SystemExit(stop.status) from None
-    except Exception as exc:  # Ray re-raises the trainer's stop wrapped in a traceback per process: its line first
-        stop = stop_of(exc, PROG)
+        # Ray re-raises the trainer's stop wrapped in a traceback per process: its line first; a Ray actor error
+        # because a node went away names the node, its roles and the step (respo_verl.run.nodes)
+        step = _WATCHDOG.step if _WATCHDOG is not None else None
+        stop = stop_of(stopped or lost_node_stop(exc, step) or exc, PROG)
         print(stop.line, file=sys.stderr, flush=True)
         if stop.status == EXIT_ERROR:
             raise

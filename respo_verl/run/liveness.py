@@ -56,28 +56,25 @@ def watched_actors(trainer: Any) -> list[tuple[str, list]]:
     return [(kind, list(handles)) for kind, handles in kinds if handles]
 
 
-def _answers(calls: list, refs: list) -> list:
-    """``calls`` whose Ray call (``refs``, in order) answered within :data:`WORKER_READY_TIMEOUT_S`."""
+def _answered(refs: list) -> list[int]:
+    """The indices of ``refs`` (Ray calls) that answered within :data:`WORKER_READY_TIMEOUT_S`; a busy actor counts
+    as alive: the next check asks again."""
     import ray
 
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=WORKER_READY_TIMEOUT_S)
-    answered = set(ready)
-    return [call for call, ref in zip(calls, refs, strict=True) if ref in answered]
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=WORKER_READY_TIMEOUT_S)[0])
+    return [index for index, ref in enumerate(refs) if ref in ready]
 
 
 def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: str) -> None:
-    """Raise :class:`ActorDied` when one of ``actors`` (:func:`watched_actors`) has died: Ray's ``ActorDiedError``
-    for its readiness call. All are asked at once; one busy past :data:`WORKER_READY_TIMEOUT_S`, or unreachable for
-    a moment (``ActorUnavailableError``, which Ray raises for a network blip too), counts as alive: the next check
-    asks again."""
+    """Raise :class:`ActorDied` when one of ``actors`` (:func:`watched_actors`) has died (Ray's ``ActorDiedError``
+    for its readiness call), or a rollout server's inference engine has (:func:`engine_dead`). One unreachable for a
+    moment (``ActorUnavailableError``, a network blip too) counts as alive."""
     import ray
-    from ray.exceptions import ActorDiedError, ActorUnavailableError
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
     calls = [(kind, index, len(handles), h) for kind, handles in actors for index, h in enumerate(handles)]
-    if not calls:
-        return
     refs = [h.__ray_ready__.remote() for *_, h in calls]
-    for number in _answers(list(range(len(calls))), refs):
+    for number in _answered(refs) if refs else ():
         kind, index, count, _ = calls[number]
         try:
             ray.get(refs[number])
@@ -89,7 +86,20 @@ def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: s
                 f"step {step}: {kind} {index} of {count} ({who}) has died while the step waited for {waiting_for}: "
                 f"{reason}"
             ) from None
-    check_engines_alive(dict(actors).get(ROLLOUT_SERVER, []), step, waiting_for)
+    servers = dict(actors).get(ROLLOUT_SERVER, [])
+    refs = [h.__ray_call__.remote(engine_dead) for h in servers]
+    for index in _answered(refs) if refs else ():
+        try:
+            reason = ray.get(refs[index])
+        except RayError:  # the actor itself died or is unreachable: the readiness call above names it
+            continue
+        if reason is not None:
+            server, _, error = reason.partition(", ")
+            raise ActorDied(
+                f"step {step}: rollout server {index} of {len(servers)} ({server}): its inference engine died while "
+                f"the step waited for {waiting_for} (the server's actor lives on; a vLLM server's engine core process "
+                f"ended): {error}"
+            )
 
 
 def engine_dead(server: Any) -> str | None:
@@ -106,36 +116,11 @@ def engine_dead(server: Any) -> str | None:
     return f"{type(server).__name__}, {reason}"
 
 
-def check_engines_alive(servers: list, step: int, waiting_for: str) -> None:
-    """Raise :class:`ActorDied` when a rollout server's inference engine has died inside its living actor
-    (:func:`engine_dead`). A server busy past :data:`WORKER_READY_TIMEOUT_S` counts as alive: the next check asks
-    again."""
-    import ray
-    from ray.exceptions import RayError
-
-    if not servers:
-        return
-    refs = [h.__ray_call__.remote(engine_dead) for h in servers]
-    for index in _answers(list(range(len(servers))), refs):
-        try:
-            reason = ray.get(refs[index])
-        except RayError:  # the actor itself died or is unreachable: check_actors_alive names it
-            continue
-        if reason is not None:
-            server, _, error = reason.partition(", ")
-            raise ActorDied(
-                f"step {step}: rollout server {index} of {len(servers)} ({server}): its inference engine died while "
-                f"the step waited for {waiting_for} (the server's actor lives on; a vLLM server's engine core process "
-                f"ended): {error}"
-            )
-
-
 class SampleWait:
-    """What the trainer checks after each poll of verl's replay buffer for a step's samples: the actors the step
-    waits on are alive (:func:`check_actors_alive`, every :data:`WORKER_CHECK_INTERVAL_S` and after every failed
-    sample), and which samples finished since the last poll: a new one is progress, told to ``board``
-    (:meth:`respo_verl.run.watchdog.PhaseBoard.progress`, with the buffer's counts); ``buffer`` is verl's replay
-    buffer, whose ``partitions`` hold the finished samples by key."""
+    """Run after each poll of verl's replay buffer (``buffer``, whose ``partitions`` hold the finished samples by
+    key): the actors the step waits on are alive (:func:`check_actors_alive`, every :data:`WORKER_CHECK_INTERVAL_S`
+    and after a failed sample), and a newly finished sample is progress, told to ``board`` with the buffer's counts
+    (:meth:`respo_verl.run.watchdog.PhaseBoard.progress`)."""
 
     def __init__(self, actors: list[tuple[str, list]], board: Any, clock: Callable[[], float] = time.monotonic):
         self.actors, self.board, self.clock = actors, board, clock

@@ -33,6 +33,7 @@ from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, StepGuards, c
 from respo_verl.run.hooks import TIMED_PHASES, in_prompt_order, phase_timers, trainer_hooks
 from respo_verl.run.liveness import SampleWait, watch_replay_buffer, watched_actors
 from respo_verl.run.liveness import waits_on as count_actors
+from respo_verl.run.nodes import record_placement
 from respo_verl.run.stops import (
     CRITIC_WORKER,
     GENERATION_ACTORS,
@@ -117,6 +118,7 @@ class RespoTrainer(PPOTrainerSync):
 
     def on_train_begin(self):
         super().on_train_begin()
+        record_placement()  # one line per role with its node: the record a lost node's stop line reads
         # verl's Tracking and ReplayBuffer, built by fit() before this hook.
         self._patches = [
             trainer_hooks(self.logger, self._mark_saved_step, self.replay_buffer, self._in_prompt_order),

@@ -168,6 +168,11 @@ class Watchdog:
         self._stop_sent = False
         self._wake, self._done = threading.Event(), threading.Event()
 
+    @property
+    def step(self) -> int | None:
+        """The step of the last record read, or None."""
+        return (self._record or {}).get("step")
+
     def request_stop(self) -> None:
         """SIGTERM: ask the trainer to save at the end of its step (sent from the watchdog's thread: a signal
         handler must not call into Ray), and bound what is left by ``run_guard.max_stall_after_stop_s``."""

@@ -246,14 +246,14 @@ def test_the_ray_preflight_counts_the_gpus_the_node_shows_not_the_none_ray_gives
     assert line.endswith("needed by trainer.device=cuda, trainer.n_gpus_per_node=8")
 
 
-def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_preflight(monkeypatch, capsys):
+def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_preflight(monkeypatch, capsys, tmp_path):
     import respo_verl.run.preflight as preflight
     from respo_verl.run.launch import with_driver_hooks
 
     seen = {}
 
-    def failing_preflight(timeout_s=preflight.PREFLIGHT_TIMEOUT_S, requirements=()):
-        seen["requirements"] = tuple(requirements)
+    def failing_preflight(timeout_s=preflight.PREFLIGHT_TIMEOUT_S, requirements=(), folders=None):
+        seen["requirements"], seen["folders"] = tuple(requirements), folders
         raise RuntimeError("respo-verl preflight failed on 1 node(s): ...\nnode 10.0.0.7 (gpu-07): DeepEP ...")
 
     class Runner:
@@ -262,11 +262,15 @@ def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_pr
             raise AssertionError("the runner started after a failed preflight")
 
     monkeypatch.setattr(preflight, "check_ray_nodes", failing_preflight)
-    config = compose(["algorithm=respo", f"+cluster={PAPER_PRESET}", "+task=dapo_math_overlong"])
+    root = tmp_path / "ckpt"
+    config = compose(
+        ["algorithm=respo", f"+cluster={PAPER_PRESET}", "+task=dapo_math_overlong", f"trainer.default_local_dir={root}"]
+    )
     with pytest.raises(SystemExit) as exit_info:
         with_driver_hooks(Runner, config).remote()
     assert exit_info.value.code == 2
     assert seen["requirements"] == _requirements()
+    assert Path(seen["folders"].marker).parent == root  # the driver's marker every node must see
     err = capsys.readouterr().err
     assert err.startswith("respo_verl.main_ppo: respo-verl preflight failed on 1 node(s)")
     assert "node 10.0.0.7 (gpu-07): DeepEP" in err
