@@ -432,7 +432,7 @@ def memory_violations(lay: Layout, mem: MemoryEstimate) -> list[Violation]:
                 "routing-replay-host",
                 f"R3's routes of one step, up to {mem.replay_step_gib:.1f} GiB, exceed Ray's default object store "
                 f"of the TaskRunner's node ({mem.object_store_gib:.1f} GiB: {RAY_OBJECT_STORE_SHARE:.0%} of its "
-                f"memory, at most 200 GB); lower data.train_batch_size or actor_rollout_ref.rollout.response_length",
+                f"memory, at most 200 GB); lower data.train_batch_size or data.max_response_length",
             )
         )
     if mem.rollout_kv_tokens < lay.seq_len:
