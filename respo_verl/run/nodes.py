@@ -113,12 +113,16 @@ def _reachable(node: dict) -> bool:
 
 def lost_node_stop(exc: BaseException, step: int | None, job: str | None = None) -> NodeLost | None:
     """The stop for a run that ended with a Ray actor error (or an :class:`ActorDied`) because a node that held
-    roles of ``job`` went away: the node (address, Ray node id), its roles and ``step``. None for any other error,
+    roles of ``job`` went away: the node (address, Ray node id), its roles and ``step`` (default: the step the
+    trainer's :class:`ActorDied` names). None for any other error,
     when Ray is not connected, or when every node of the job is there."""
     import ray
 
-    if not any(c.__name__ in RAY_ACTOR_ERRORS or c is ActorDied for e in causes(exc) for c in type(e).__mro__):
+    chain = causes(exc)
+    if not any(c.__name__ in RAY_ACTOR_ERRORS or c is ActorDied for e in chain for c in type(e).__mro__):
         return None
+    for told in (re.match(r"step (\d+): ", str(e)) for e in chain if isinstance(e, ActorDied)):
+        step = step or (int(told[1]) if told else None)  # the trainer's own stop names its step
     if not ray.is_initialized():
         return None
     try:

@@ -210,7 +210,7 @@ TWO_NODE_JOB = (
 # Every role of the job is an actor process: none may be left on the surviving node once the job has ended.
 JOB_PROCESSES = ("ray::WorkerDict", "ray::TaskRunner", "ray::vLLMHttpServer", "VLLM::EngineCore", "ray::AgentLoop")
 _UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/")
-# Metrics of vLLM's log-probs against the trainer's, and their bound across a resume (seen: 2.4e-10).
+# Metrics of vLLM's log-probs against the trainer's, and their bound across a resume (seen: 4.7e-10).
 SAMPLER_KEYS, SAMPLER_GAP = ("rollout_corr/", "training/rollout_probs_diff"), 1e-6
 
 
@@ -401,21 +401,18 @@ def test_a_lost_node_stops_the_run_in_one_line_naming_it_its_roles_and_the_step(
         rf"step {KILL_AFTER_STEP + 1}: node {re.escape(WORKER_IP)} \(Ray node [0-9a-f]{{12}}\) was lost with (.*); "
         r"once the node is back, submit the job again: it resumes from its last checkpoint"
     )
-    (asked,) = [line for line in result["asked"].splitlines() if line.startswith("asked: ")]
-    found = re.fullmatch("asked: " + lost, asked)
-    assert found, asked
-    # The roles the placement record put on the worker, one update worker rank and one vLLM server among them.
-    roles, placed = (
-        set(found.group(1).split(", ")),
-        {r for r, ip in _placement(result["placement"]).items() if ip == WORKER_IP},
-    )
-    assert placed <= roles, (placed, roles)
-    assert len([r for r in roles if r.startswith(("update worker rank", "rollout server"))]) == 2, roles
     assert result["status"] == "FAILED" and result["lost_after_s"] is not None, result["status"]
     assert result["lost_after_s"] < LOST_WITHIN_S, result["lost_after_s"]
     assert result["leftovers"] == [], result["leftovers"]
+    # The roles the placement record put on the worker; its update worker rank and its vLLM server by name.
+    placed = {r for r, ip in _placement(result["placement"]).items() if ip == WORKER_IP}
+    essential = {r for r in placed if r.startswith(("update worker rank", "rollout server"))}
+    assert len(essential) == 2, placed
+    (asked,) = [line for line in result["asked"].splitlines() if line.startswith("asked: ")]
+    found = re.fullmatch("asked: " + lost, asked)
+    assert found and placed <= set(found.group(1).split(", ")), (asked, placed)
     stopped = cpu_runs.stop_line(result["lost_out"], rf"\(lost node, exit {EXIT_ACTOR_DIED}\): " + lost)
-    assert stopped.group(1) == found.group(1), (stopped.group(1), found.group(1))
+    assert essential <= set(stopped.group(1).split(", ")), (stopped.group(0), placed)
 
 
 @pytest.mark.slow
