@@ -9,19 +9,10 @@ Ray's fate sharing, which ends GCS and raylet at once, but Ray's agents lived on
 ended with it stays until it notices.
 
 :func:`watch_driver` starts the reaper, ``python -m respo_verl.run.reaper``, in a session of its own (a kill of the
-driver's process group does not reach it). While the driver lives, the reaper records the driver's descendants
-every :data:`SCAN_INTERVAL_S` seconds, each as a ``psutil.Process`` (its pid with its creation time: a pid the
-kernel has reused is never taken for one recorded). Once the driver has ended, it stops what is left of that
-cluster: the recorded processes still alive, every process whose command line names the session's folder, and all
-their descendants; SIGTERM first, then SIGKILL after :data:`TERM_GRACE_S`. Bound: every such process is gone
-:data:`REAP_BOUND_S` seconds after the driver's exit at the latest (worst case by construction: :data:`DEATH_POLL_S`
-+ :data:`TERM_GRACE_S` + :data:`KILL_WAIT_S`). It never touches a cluster the driver connected to through an address
-(the entry point does not start it then) nor anything outside the driver's process tree and the session's folder,
-and never a process of another user: every target runs under the reaper's own uid. A process found only through the
-session's folder on its command line is left alone when it is a shell or holds a terminal (:func:`strange_by_folder`:
-a user's ``less`` of a Ray log, an editor).
-Signals go through a pidfd (Linux 5.3 and later) opened while the process is checked to be the one recorded, so a
-pid the kernel reuses meanwhile is never signalled; elsewhere through psutil, which checks just before.
+driver's process group does not reach it). It records the driver's process tree while the driver lives (:func:`watch`)
+and stops what is left once the driver has ended (:func:`reap`), within :data:`REAP_BOUND_S`. It never touches a
+cluster the driver connected to through an address (the entry point does not start it then), nor anything outside the
+driver's process tree and the session's folder, nor a process of another user.
 
 Linux only (the terminal's foreground group is read from ``/proc``).
 """
@@ -48,7 +39,8 @@ SCAN_INTERVAL_S = 2.0
 TERM_GRACE_S = 3.0
 # How long a SIGKILLed process may take to disappear (a kernel that is slow to reap a large process).
 KILL_WAIT_S = 5.0
-# The promise: no process of the session is left this many seconds after the driver's exit.
+# The promise: no process of the session is left this many seconds after the driver's exit (by construction at
+# most DEATH_POLL_S + TERM_GRACE_S + KILL_WAIT_S).
 REAP_BOUND_S = 10.0
 
 # Never stopped because their command line names the session folder: a user looking at a Ray log from a shell.
@@ -141,9 +133,8 @@ def reap(recorded: Iterable[psutil.Process], session_dir: str | None) -> tuple[i
             except psutil.Error:
                 below = []
             found.update((proc.pid, proc) for proc in [root, *below])
-        return {
-            pid: proc for pid, proc in found.items() if pid not in (me, 1) and _owned(proc) and running(proc)
-        }  # never another user's
+        # Never this process, init, or another user's.
+        return {pid: proc for pid, proc in found.items() if pid not in (me, 1) and _owned(proc) and running(proc)}
 
     def wait(procs: Iterable[psutil.Process], until: float) -> None:
         # Not psutil.wait_procs: it counts a zombie (ended, not yet reaped by its parent) as alive and waits it out.
@@ -195,7 +186,11 @@ def _signal(proc: psutil.Process, sig: signal.Signals) -> bool:
 
 
 def watch(driver: psutil.Process | None, session_dir: str | None) -> tuple[int, int]:
-    """Record the driver's process tree until the driver has ended, then :func:`reap` (the reaper's body)."""
+    """Record the driver's process tree until the driver has ended, then :func:`reap` (the reaper's body).
+
+    Each process is kept as a ``psutil.Process``, its pid with its creation time: a pid the kernel has reused is
+    never taken for one recorded.
+    """
     recorded: dict[int, psutil.Process] = {}
     next_scan = 0.0
     while driver is not None and running(driver):
