@@ -2,19 +2,10 @@
 
 verl 0.9.1 saves ``<trainer.default_local_dir>/global_step_<k>/`` and, once a save is done, writes ``k`` into
 ``latest_checkpointed_iteration.txt``; ``trainer.resume_mode=auto`` resumes from whatever that file names, whoever
-wrote it. Here:
-
-- every checkpoint the respo-verl trainer saves carries :data:`MARKER` with the run's :func:`fingerprint`, written
-  after verl's save has returned and the step's metrics are in the log, so it also marks the checkpoint complete
-  and its step logged;
-- before Ray starts, :func:`plan_resume` looks at the run's folder: a checkpoint of another configuration stops the
-  run with one line naming both; a half-written newest checkpoint (a ``global_step_<k>`` folder without the marker)
-  is reported loudly and the run resumes from the last complete one;
-- the marker lists every file the save wrote, with its size and a cheap check of its content (:func:`manifest`:
-  a hash of its first and last :data:`CHECK_BYTES`); before a resume, :func:`verify` repeats it, and a missing,
-  truncated, changed or unreadable file stops the run with one line naming the checkpoint, the file and the override
-  that resumes from the newest intact checkpoint before it. A marker without a file list (saved before markers had
-  one) is accepted with a note.
+wrote it. Here every checkpoint the respo-verl trainer saves carries :data:`MARKER`: the run's :func:`fingerprint`
+and the files the save wrote (:func:`manifest`). It is written after verl's save has returned and the step's metrics
+are in the log, so it also marks the checkpoint complete and its step logged. Before Ray starts, :func:`plan_resume`
+decides what the run resumes from (docs/internals.md, "The respo-verl trainer and its checkpoints").
 
 Imports omegaconf only (it runs in the driver before anything heavy).
 """
@@ -237,17 +228,20 @@ class ResumePlan:
 
 def checkpoint_folder(cfg: Any, cwd: Path | None = None) -> Path:
     """``trainer.default_local_dir`` as verl resolves it (relative to the working directory)."""
-    folder = Path(str(OmegaConf.select(cfg, "trainer.default_local_dir"))).expanduser()
-    return folder if folder.is_absolute() else (cwd or Path.cwd()) / folder
+    return (cwd or Path.cwd()) / Path(str(OmegaConf.select(cfg, "trainer.default_local_dir"))).expanduser()
 
 
 def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> ResumePlan:
-    """Decide the resume of a ``trainer.resume_mode=auto`` run (see the module docstring).
+    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder.
 
-    ``run`` is the run's :func:`identity` when the caller took it earlier (the trainer takes it before verl adds its
-    own keys to the configuration); by default it is taken from ``cfg``.
+    A half-written newest checkpoint (a ``global_step_<k>`` folder without the marker) is reported and skipped; the
+    run resumes from the newest complete one, once its files verify (:func:`verify`). A marker without a file list
+    (saved before markers had one) is accepted with a note. With ``trainer.resume_mode=resume_path``, the checkpoint
+    it names is verified when it has a marker.
 
-    With ``trainer.resume_mode=resume_path``, the checkpoint it names is verified when it has a marker.
+    Args:
+        run: the run's :func:`identity` when the caller took it earlier (the trainer takes it before verl adds its
+            own keys to the configuration); by default it is taken from ``cfg``.
 
     Raises:
         CheckpointError: the newest complete checkpoint belongs to another configuration, or one of its files is
@@ -258,15 +252,11 @@ def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> R
     mode = str(OmegaConf.select(cfg, "trainer.resume_mode", default="auto"))
     if mode == "resume_path":
         named = OmegaConf.select(cfg, "trainer.resume_from_path")
-        path = Path(str(named)).expanduser() if named else None
-        if path is not None and not path.is_absolute():
-            path = (cwd or Path.cwd()) / path
-        if path is not None and (path / MARKER).is_file():
-            problem, _ = marker_problem(path)
-            if problem:
-                raise CheckpointError(
-                    f"DAMAGED CHECKPOINT {path} (trainer.resume_from_path): {problem}; name another checkpoint"
-                )
+        path = (cwd or Path.cwd()) / Path(str(named)).expanduser() if named else None  # an absolute path stays
+        if path is not None and (path / MARKER).is_file() and (problem := marker_problem(path)[0]):
+            raise CheckpointError(
+                f"DAMAGED CHECKPOINT {path} (trainer.resume_from_path): {problem}; name another checkpoint"
+            )
         return ResumePlan(folder, None)
     if mode != "auto" or not folder.is_dir():
         return ResumePlan(folder, None)
