@@ -4,34 +4,8 @@
 prints its result (``respo-verl plan``), and the per-node preflight (:mod:`respo_verl.run.preflight`) ships it to
 every Ray node, where :func:`check_missing` imports each piece. Each requirement names the config key (with its
 value) that makes the job need it, so that a missing piece can be fixed either way: install it, or change the key.
-
-Which key needs what, as verl 0.9.1 and megatron-core 0.16.1 decide it:
-
-- ``actor_rollout_ref.rollout.name``: ``vllm`` imports ``vllm``, ``sglang`` imports ``sglang``; ``hf_cpu`` is this
-  package's CPU server (nothing further).
-- ``model_engine=megatron`` (or an actor ``strategy`` of ``megatron``): ``megatron.core``. On CUDA, Transformer
-  Engine as well: mbridge builds every layer with ``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``
-  (``mbridge/core/llm_bridge.py``), and verl's Megatron-Bridge path asks for ``AttnBackend.flash``, which is TE's
-  ``DotProductAttention``. NVIDIA Apex is not required: megatron-core's optimizer, distributed optimizer and
-  gradient clipping take Transformer Engine's fused kernels first, Apex's second, and fall back to torch
-  (``megatron/core/optimizer/__init__.py``, ``distrib_optimizer.py``, ``clip_grads.py``); Apex's norm is used only
-  by the local (non-TE) layer spec (``megatron/core/models/gpt/gpt_layer_specs.py``).
-- ``actor_rollout_ref.actor.megatron.vanilla_mbridge``: ``true`` builds the model through ``mbridge``
-  (``verl/models/mcore/mbridge.py``), ``false`` (verl's default) through Megatron-Bridge (``megatron.bridge``,
-  ``verl/models/mcore/bridge.py``); verl 0.9.1's engine asserts ``use_mbridge``.
-- ``...override_transformer_config.moe_token_dispatcher_type=flex``: DeepEP (``deep_ep``), for either flex backend
-  (``megatron/core/transformer/moe/fused_a2a.py`` imports ``deep_ep.Buffer`` and ``deep_ep.HybridEPBuffer``).
-  ``alltoall`` and ``allgather`` need nothing further.
-- ``...override_transformer_config.attention_backend=flash`` (verl's default, ``trainer/config/engine/megatron.yaml``)
-  on CUDA:
-  megatron-core sets ``NVTE_FLASH_ATTN=1``, ``NVTE_FUSED_ATTN=0``, ``NVTE_UNFUSED_ATTN=0``
-  (``megatron/core/models/common/language_module/language_module.py``), and Transformer Engine's FlashAttention
-  backend then runs only with a flash-attn package installed: ``flash_attn`` (v2) or ``flash_attn_3`` (v3, sm90)
-  (TE's ``pytorch/attention/dot_product_attention/utils.py``, ``get_attention_backend``: a backend whose package
-  is not installed is dropped, and with fused and unfused switched off nothing is left).
-- FSDP with ``actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2`` (verl's default,
-  ``verl/workers/config/model.py``) on CUDA: ``flash_attn``.
-- ``trainer.device=cuda``: ``torch.cuda.is_available()`` with at least ``trainer.n_gpus_per_node`` GPUs.
+Which key needs what is the table of docs/gpu.md, "The preflight: what every node must have"; where verl 0.9.1,
+megatron-core 0.16.1 and Transformer Engine decide it is said next to each requirement below.
 """
 
 from __future__ import annotations
@@ -99,30 +73,21 @@ def _select(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _is_true(value: Any) -> bool:
-    return value is True or str(value).lower() == "true"
-
-
-def _uses_megatron(cfg: Any) -> bool:
-    return _select(cfg, "model_engine") == MEGATRON or _select(cfg, "actor_rollout_ref.actor.strategy") == MEGATRON
-
-
-def _megatron_nodes(cfg: Any) -> list[str]:
-    """The actor's Megatron engine node, and the ref's when the job has a Megatron reference model."""
-    nodes = [ACTOR_MG]
-    if _select(cfg, "actor_rollout_ref.ref.strategy") == MEGATRON and _select(cfg, REF_MG) is not None:
-        nodes.append(REF_MG)
-    return nodes
-
-
 def _megatron_requirements(cfg: Any, cuda: bool) -> list[Requirement]:
-    engine_key = (
-        "model_engine=megatron"
-        if _select(cfg, "model_engine") == MEGATRON
-        else "actor_rollout_ref.actor.strategy=megatron"
-    )
+    """What a Megatron job needs (none for another engine); NVIDIA Apex is not among it: megatron-core falls back to
+    torch where Apex is absent (``megatron/core/optimizer/``, docs/gpu.md, "The preflight: what every node must have").
+    """
+    if _select(cfg, "model_engine") == MEGATRON:
+        engine_key = "model_engine=megatron"
+    elif _select(cfg, "actor_rollout_ref.actor.strategy") == MEGATRON:
+        engine_key = "actor_rollout_ref.actor.strategy=megatron"
+    else:
+        return []
     reqs = [Requirement("megatron.core", engine_key, "megatron-core")]
     if cuda:
+        # mbridge builds every layer with get_gpt_decoder_block_spec(..., use_transformer_engine=True)
+        # (mbridge/core/llm_bridge.py); verl's Megatron-Bridge path asks for AttnBackend.flash, which is TE's
+        # DotProductAttention.
         reqs.append(
             Requirement(
                 "transformer_engine",
@@ -130,15 +95,20 @@ def _megatron_requirements(cfg: Any, cuda: bool) -> list[Requirement]:
                 "Transformer Engine",
             )
         )
-    for node in _megatron_nodes(cfg):
-        vanilla = _is_true(_select(cfg, f"{node}.vanilla_mbridge", False))
+    nodes = [ACTOR_MG]  # and the reference model's, when it is a Megatron one too
+    if _select(cfg, "actor_rollout_ref.ref.strategy") == MEGATRON and _select(cfg, REF_MG) is not None:
+        nodes.append(REF_MG)
+    for node in nodes:
+        # true builds the model through mbridge (verl/models/mcore/mbridge.py), false (verl's default) through
+        # Megatron-Bridge (verl/models/mcore/bridge.py); verl 0.9.1's engine asserts use_mbridge.
+        vanilla = str(_select(cfg, f"{node}.vanilla_mbridge", False)).lower() == "true"
         if vanilla:
             reqs.append(Requirement("mbridge", f"{node}.vanilla_mbridge=true", "mbridge"))
         else:
             reqs.append(Requirement("megatron.bridge", f"{node}.vanilla_mbridge=false", "Megatron-Bridge"))
         tf = f"{node}.{TF_CONFIG}"
         dispatcher = _select(cfg, f"{tf}.moe_token_dispatcher_type")
-        if dispatcher == "flex":
+        if dispatcher == "flex":  # either flex backend: moe/fused_a2a.py imports deep_ep.Buffer and HybridEPBuffer
             backend = _select(cfg, f"{tf}.moe_flex_dispatcher_backend", "deepep")
             reqs.append(
                 Requirement(
@@ -149,6 +119,8 @@ def _megatron_requirements(cfg: Any, cuda: bool) -> list[Requirement]:
             )
         default_backend = MBRIDGE_DEFAULT_ATTENTION_BACKEND if vanilla else BRIDGE_DEFAULT_ATTENTION_BACKEND
         attention = _select(cfg, f"{tf}.attention_backend", default_backend)
+        # With flash, megatron-core sets NVTE_FLASH_ATTN=1, NVTE_FUSED_ATTN=0, NVTE_UNFUSED_ATTN=0 (language_module.py),
+        # and TE's get_attention_backend drops a backend whose package is not installed: nothing would be left.
         if cuda and str(attention).lower().removeprefix("attnbackend.") == "flash":
             reqs.append(
                 Requirement(
@@ -162,10 +134,7 @@ def _megatron_requirements(cfg: Any, cuda: bool) -> list[Requirement]:
 
 
 def job_requirements(cfg: Any) -> list[Requirement]:
-    """What the composed job ``cfg`` needs importable on every node, one entry per package (first reason kept).
-
-    Pure: reads the configuration, imports nothing but OmegaConf. See the module docstring for which key needs what.
-    """
+    """What the composed job ``cfg`` needs importable on every node, one entry per package (first reason kept)."""
     device = str(_select(cfg, "trainer.device", CUDA))
     cuda = device == CUDA
     reqs: list[Requirement] = []
@@ -179,9 +148,9 @@ def job_requirements(cfg: Any) -> list[Requirement]:
     if rollout in ROLLOUT_PACKAGES:
         module, package = ROLLOUT_PACKAGES[rollout]
         reqs.append(Requirement(module, f"{ROLLOUT_NAME}={rollout}", package))
-    if _uses_megatron(cfg):
-        reqs.extend(_megatron_requirements(cfg, cuda))
-    else:
+    megatron = _megatron_requirements(cfg, cuda)
+    reqs.extend(megatron)
+    if not megatron:  # FSDP: HFModelConfig's attention implementation
         set_attn = _select(cfg, ATTN_IMPLEMENTATION)
         attn = set_attn or VERL_DEFAULT_ATTN_IMPLEMENTATION
         if cuda and attn == "flash_attention_2":
@@ -243,14 +212,9 @@ def check_missing(reqs: list[Requirement]) -> list[str]:
         if req.gpus:
             error = _gpu_error(req)
         else:
-            errors = [_import_error(name) for name in req.names]
-            error = (
-                None
-                if any(e is None for e in errors)
-                else "; ".join(
-                    f"{name}: {e}" if len(errors) > 1 else e for name, e in zip(req.names, errors, strict=True)
-                )
-            )
+            errors = {name: _import_error(name) for name in req.names}
+            named = [f"{name}: {e}" if len(errors) > 1 else e for name, e in errors.items()]
+            error = None if None in errors.values() else "; ".join(named)
         if error is not None:
             lines.append(f"{req.describe()}: {error}; needed by {req.why_key}")
     return lines
