@@ -1,14 +1,12 @@
 """Hydra composition of a job exactly as either entry point composes it, without running it (``--cfg job`` in-process).
 
-The one place in respo_verl that composes job configs: the planner, the sweep, the experiment adapter, the benchmarks
-and the tests all come here.
-
-Composing does not import verl. ``respo_trainer.yaml`` reaches verl's configs through ``pkg://verl.trainer.config``,
-and Hydra resolves a ``pkg://`` path by importing the package, i.e. running ``verl/__init__.py`` (about 8 s of
-imports: torch, ray, transformers, verl's plugins). The files are plain YAML, so this module locates verl's config
-folder with :func:`importlib.util.find_spec` on the top-level ``verl`` package (which finds the package without
-executing it) and hands Hydra the same folder as a ``file://`` path. The composed job is identical; only the import
-is avoided.
+The one place that composes job configs: the planner, the sweep, the experiment adapter, the benchmarks and the
+tests all come here. Composing does not import verl. ``respo_trainer.yaml`` reaches verl's configs through
+``pkg://verl.trainer.config``, and Hydra resolves a ``pkg://`` path by importing the package, i.e. running
+``verl/__init__.py`` (about 8 s of imports: torch, ray, transformers, verl's plugins). The files are plain YAML, so
+this module locates verl's config folder with :func:`importlib.util.find_spec` on the top-level ``verl`` package
+(which finds the package without executing it) and hands Hydra the same folder as a ``file://`` path. The composed
+job is identical; only the import is avoided.
 """
 
 from __future__ import annotations
@@ -37,15 +35,8 @@ SEARCHPATH_KEY = "hydra.searchpath"
 
 
 class ComposeError(ValueError):
-    """A job Hydra cannot compose: unknown entry, malformed or unknown override, missing config group option.
-
-    The message is Hydra's (or OmegaConf's) on one line, without the traceback; ``hydra_error`` keeps the original
-    exception.
-    """
-
-    def __init__(self, message: str, hydra_error: BaseException | None = None):
-        super().__init__(message)
-        self.hydra_error = hydra_error
+    """A job Hydra cannot compose (unknown entry, malformed or unknown override, missing config group option), in
+    Hydra's or OmegaConf's words on one line, without the traceback."""
 
 
 def package_dir(package: str) -> Path:
@@ -116,6 +107,6 @@ def compose_job(entry: str, overrides: Sequence[str] = ()):
         with initialize_config_dir(config_dir=config_dir, version_base=None):
             return compose(config_name=name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ComposeError(f"cannot compose the {entry!r} job: {_one_line(err)}", err) from None
+        raise ComposeError(f"cannot compose the {entry!r} job: {_one_line(err)}") from None
     finally:
         GlobalHydra.instance().clear()
