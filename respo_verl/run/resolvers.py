@@ -5,11 +5,9 @@ before composing, so that the presets resolve the same wherever a job is compose
 and the package's layout rules only.
 
 - ``${respo_verl.run_name:<loss_mode>,<train_batch_size>,<ppo_mini_batch_size>,<seed>,<model path>,<replay>}``:
-  ``<algorithm>_n<N>_seed<seed>_<model folder name>[_<routing>]``, the default experiment name (and so the default
-  checkpoint folder) of a run, N = train_batch_size / ppo_mini_batch_size;
-- ``${respo_verl.save_freq:<updates>,<train_batch_size>,<ppo_mini_batch_size>}``: the training-step interval that
-  saves every ``updates`` optimizer updates (at least every step), so that a pre-emption loses the same share of the
-  run at every N.
+  :func:`run_name`, the default experiment name (and so the default checkpoint folder) of a run;
+- ``${respo_verl.save_freq:<updates>,<train_batch_size>,<ppo_mini_batch_size>}``: :func:`save_freq`, so that a
+  pre-emption loses the same share of the run at every N.
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ def _reuse(train_batch_size, mini_batch_size) -> int:
 
 
 def run_name(loss_mode, train_batch_size, mini_batch_size, seed, model_path, replay=None) -> str:
-    """``<algorithm>_n<N>_seed<seed>_<model>[_<routing>]`` (see the module docstring); ``replay`` is verl's
-    ``router_replay.mode`` (None or ``disabled``: no suffix)."""
+    """``<algorithm>_n<N>_seed<seed>_<model folder name>[_<routing>]``, N = train_batch_size / mini_batch_size;
+    ``replay`` is verl's ``router_replay.mode`` (None or ``disabled``: no suffix)."""
     from respo_verl.routing.mode import mode_of
 
     algorithm = ALGORITHM_OF_LOSS.get(str(loss_mode), str(loss_mode))
