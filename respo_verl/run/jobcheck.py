@@ -9,9 +9,18 @@ enforce only after Ray has started and the model has loaded.
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from respo_verl.core.config import CONFIG_BLOCKS
+from respo_verl.layout.models import ModelConfigError, local_model_config, shape_from_hf_config
+from respo_verl.layout.parallel import layout_from_config
+from respo_verl.layout.rules import check_layout, reuse_violation
 from respo_verl.routing.mode import REPLAY_KEY, replay_mode, verl_mode
 from respo_verl.run.guards import check_guards
 
@@ -27,15 +36,11 @@ class ModelCheckError(ValueError):
 def check_job(cfg: Any, layout: bool = True) -> None:
     """Raise ValueError with one line naming the key for a job that cannot run.
 
-    Checks:
-        - the ``respo`` / ``vespo`` kernel hyperparameters (``actor_rollout_ref.actor.policy_loss.<loss>.*``), with
-          the ranges of :mod:`respo_verl.core.config`, when the node is present;
-        - the ``run_guard`` node (:func:`respo_verl.run.guards.check_guards`);
-        - routing replay (``routing=r2|r3``, :func:`respo_verl.routing.mode.replay_mode`) with a ``model_engine``
-          other than ``megatron``;
-        - a rollout batch that is not a whole number of mini-batches (the layout rule ``batch-mini``, with its own
-          line: N would not be an integer);
-        - with ``layout``, the layout rules (:func:`check_layout_rules`).
+    Checks the ``respo`` / ``vespo`` kernel hyperparameters (``actor_rollout_ref.actor.policy_loss.<loss>.*``, with
+    the ranges of :mod:`respo_verl.core.config`) where present, the ``run_guard`` node, routing replay
+    (``routing=r2|r3``) with a ``model_engine`` other than ``megatron``, a rollout batch that is not a whole number
+    of mini-batches (the layout rule ``batch-mini`` in its own line: N would not be an integer) and, with ``layout``,
+    the layout rules (:func:`check_layout_rules`).
 
     Args:
         cfg: the composed job (``DictConfig``), as ``--cfg job`` prints it.
@@ -61,9 +66,6 @@ def check_layout_rules(cfg: Any) -> None:
     (:func:`respo_verl.layout.models.local_model_config`: a local folder, or a hub id in the local Hugging Face
     cache); the others always do. Whether the job fits in memory is ``respo-verl plan``'s estimate, not checked here.
     """
-    from respo_verl.layout.parallel import layout_from_config
-    from respo_verl.layout.rules import check_layout
-
     violations = check_layout(_model_shape(cfg), layout_from_config(cfg), batch=False)
     if violations:
         raise ValueError(
@@ -74,11 +76,6 @@ def check_layout_rules(cfg: Any) -> None:
 
 def _model_shape(cfg: Any):
     """The model's shape from its ``config.json`` on this machine, or None (unknown, or not a shape the rules read)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from respo_verl.layout.models import ModelConfigError, local_model_config, shape_from_hf_config
-
     try:
         raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
     except OmegaConfBaseException:  # an interpolation that does not resolve here (an environment variable, ...)
@@ -100,10 +97,6 @@ def check_model(cfg: Any) -> None:
     exist (a hub id such as ``Qwen/Qwen3-1.7B`` is left to verl). Routing replay on a local dense model is the layout
     rule ``router-replay`` of :func:`check_job`.
     """
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
     raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
     if raw is not None and str(raw).startswith(("/", "~", ".")) and not Path(str(raw)).expanduser().exists():
         raise ModelCheckError(f"{MODEL_PATH}={raw}: no such file or directory")
@@ -117,10 +110,6 @@ def check_machine(cfg: Any) -> None:
     """Raise :class:`MachineCheckError` for a ``trainer.device=cuda`` job that starts its own Ray on this machine (no
     ``ray_kwargs.ray_init.address`` and no ``RAY_ADDRESS``) where torch sees no CUDA device: Ray would wait for GPUs
     that never come. A job sent to a running cluster is left to the per-node preflight. Run before a run only."""
-    import os
-
-    from omegaconf import OmegaConf
-
     device = OmegaConf.select(cfg, "trainer.device", default="cuda")
     address = OmegaConf.select(cfg, "ray_kwargs.ray_init.address", default=None) or os.environ.get("RAY_ADDRESS")
     if device != "cuda" or address:
@@ -136,10 +125,6 @@ def check_machine(cfg: Any) -> None:
 
 
 def _check_reuse(cfg: Any) -> None:
-    from omegaconf import OmegaConf
-
-    from respo_verl.layout.rules import reuse_violation
-
     train = OmegaConf.select(cfg, "data.train_batch_size", default=None)
     mini = OmegaConf.select(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", default=None)
     if not isinstance(train, int) or not isinstance(mini, int) or isinstance(train, bool):
@@ -149,10 +134,6 @@ def _check_reuse(cfg: Any) -> None:
 
 
 def _check_kernel_hyperparameters(cfg: Any) -> None:
-    from omegaconf import OmegaConf
-
-    from respo_verl.core.config import CONFIG_BLOCKS
-
     for block, cls in CONFIG_BLOCKS.items():
         path = f"{POLICY_LOSS}.{block}"
         node = OmegaConf.select(cfg, path, default=None)
@@ -172,8 +153,6 @@ def _check_kernel_hyperparameters(cfg: Any) -> None:
 
 
 def _check_routing(cfg: Any) -> None:
-    from omegaconf import OmegaConf
-
     mode = replay_mode(cfg)
     engine = OmegaConf.select(cfg, "model_engine", default=None)
     if mode == "off" or engine == ROUTING_ENGINE:
