@@ -82,17 +82,13 @@ def check_ray_nodes(
 ) -> list[dict]:
     """Run :func:`_probe` once on every alive Ray node; raise RuntimeError naming each node that fails.
 
-    A node fails when the probe reports missing registrations, when the probe itself cannot run there (a node
-    without respo_verl cannot even load this module, and Ray raises on ``get``), when it does not answer within
-    ``timeout_s``, or when one of ``requirements`` (:func:`respo_verl.run.requirements.job_requirements` of the
-    job) does not import there or the node shows fewer CUDA GPUs than the job asks for.
-
-    The error's first line is ``respo-verl preflight failed on ...``; each missing requirement adds a line
-    ``node <address> (<host>): <package>: <why>; needed by <config key>``.
-
-    With ``folders`` (:func:`respo_verl.run.nodes.shared_folders` of the job), a node that does not see the driver's
-    marker in the checkpoint root or its data files fails first, in one line naming the node and the path; the
-    marker is removed afterwards.
+    A node fails when it does not see ``folders`` (:func:`respo_verl.run.nodes.shared_folders` of the job: the
+    driver's marker in the checkpoint root, removed afterwards, and the data files); when the probe cannot run there
+    (a node without respo_verl cannot even load this module) or does not answer within ``timeout_s``; when our
+    registrations are missing there; or when one of ``requirements``
+    (:func:`respo_verl.run.requirements.job_requirements`) does not import there or the node shows fewer CUDA GPUs
+    than the job asks for, one line per missing piece: ``node <address> (<host>): <package>: <why>; needed by
+    <config key>``.
 
     Returns:
         The probe result of every node.
@@ -145,13 +141,9 @@ def check_ray_nodes(
         message = "respo-verl preflight failed on " + "; ".join(failures) + f". Fix: {INSTALL_HINT}."
         raise RuntimeError("\n".join([message, *missing_lines]))
     if missing_lines:
-        raise RuntimeError(
-            "\n".join(
-                [
-                    f"respo-verl preflight failed on {lacking_nodes} node(s): the job needs what they lack "
-                    "(install it there, or change the key named):",
-                    *missing_lines,
-                ]
-            )
+        header = (
+            f"respo-verl preflight failed on {lacking_nodes} node(s): the job needs what they lack "
+            "(install it there, or change the key named):"
         )
+        raise RuntimeError("\n".join([header, *missing_lines]))
     return results
