@@ -78,14 +78,9 @@ def _model_shape(cfg: Any):
     """The model's shape from its ``config.json`` on this machine, or None (unknown, or not a shape the rules read)."""
     try:
         raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
-    except OmegaConfBaseException:  # an interpolation that does not resolve here (an environment variable, ...)
-        return None
-    config = local_model_config(str(raw)) if raw is not None else None
-    if config is None:
-        return None
-    try:
-        return shape_from_hf_config(config)
-    except ModelConfigError:
+        config = local_model_config(str(raw)) if raw is not None else None
+        return shape_from_hf_config(config) if config is not None else None
+    except (OmegaConfBaseException, ModelConfigError):  # an interpolation unresolved here (an environment variable)
         return None
 
 
