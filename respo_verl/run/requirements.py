@@ -135,8 +135,7 @@ def _megatron_requirements(cfg: Any, cuda: bool) -> list[Requirement]:
 
 def job_requirements(cfg: Any) -> list[Requirement]:
     """What the composed job ``cfg`` needs importable on every node, one entry per package (first reason kept)."""
-    device = str(_select(cfg, "trainer.device", CUDA))
-    cuda = device == CUDA
+    cuda = str(_select(cfg, "trainer.device", CUDA)) == CUDA
     reqs: list[Requirement] = []
     if cuda:
         gpus = _select(cfg, "trainer.n_gpus_per_node", 1)
