@@ -211,7 +211,7 @@ TWO_NODE_JOB = (
 JOB_PROCESSES = ("ray::WorkerDict", "ray::TaskRunner", "ray::vLLMHttpServer", "VLLM::EngineCore", "ray::AgentLoop")
 _UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/")
 # Metrics of vLLM's log-probs against the trainer's, and their bound across a resume (seen: 4.7e-10).
-SAMPLER_KEYS, SAMPLER_GAP = ("rollout_corr/", "training/rollout_probs_diff"), 1e-6
+SAMPLER_KEYS, SAMPLER_GAP = ("rollout_corr/", "training/rollout_"), 1e-6
 
 
 def _sweep(cluster: TwoNodes, out: Path) -> list[str]:
