@@ -163,6 +163,7 @@ class Watchdog:
         self.records, self.guard, self.clock, self.trace = records, guard, clock, trace
         self.stopped: RunStopped | None = None
         self._record: dict[str, Any] | None = None
+        self._step: int | None = None
         self._changed_at = clock()
         self._stop_at: float | None = None
         self._stop_sent = False
@@ -170,8 +171,8 @@ class Watchdog:
 
     @property
     def step(self) -> int | None:
-        """The step of the last record read, or None."""
-        return (self._record or {}).get("step")
+        """The step of the last record read that named one (a record of the trainer's end names none), or None."""
+        return self._step
 
     def request_stop(self) -> None:
         """SIGTERM: ask the trainer to save at the end of its step (sent from the watchdog's thread: a signal
@@ -193,6 +194,7 @@ class Watchdog:
                 with open(self.trace, "a") as out:
                     out.write(json.dumps({"at": now, **record}) + "\n")
         self._record = record
+        self._step = (record or {}).get("step", self._step)
         if record is None or not record.get("watched"):
             return None
         if self._stop_at is not None:

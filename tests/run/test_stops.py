@@ -328,9 +328,10 @@ def test_the_watchdog_stops_a_phase_that_makes_no_progress():
         "update worker"
     )
     assert watchdog.check() is None  # the phase ended: the record changed
-    board.pause("training ended")
+    board.end()
     clock.now += 1000
     assert watchdog.check() is None
+    assert watchdog.step == 2  # the step a stop line names, after the trainer's end record too
 
 
 def _until(condition, timeout=5.0):
