@@ -50,8 +50,25 @@ def check_job(cfg: Any, layout: bool = True) -> None:
     check_guards(cfg)
     _check_routing(cfg)
     _check_reuse(cfg)
+    task_runner_resources(cfg)
     if layout:
         check_layout_rules(cfg)
+
+
+def task_runner_resources(cfg: Any) -> dict[str, float]:
+    """``ray_kwargs.task_runner_resources``: the Ray resources verl's TaskRunner asks for (a custom resource that one
+    node was started with keeps it on that node); ValueError naming the key for anything but positive amounts."""
+    resources = OmegaConf.select(cfg, "ray_kwargs.task_runner_resources", default=None)
+    if resources is None:
+        return {}
+    if not OmegaConf.is_dict(resources) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in resources.values()
+    ):
+        raise ValueError(
+            f"ray_kwargs.task_runner_resources={resources}: takes a map of Ray resource names to positive amounts, "
+            "e.g. {trainer_node: 1}"
+        )
+    return {str(k): float(v) for k, v in resources.items()}
 
 
 def check_layout_rules(cfg: Any) -> None:

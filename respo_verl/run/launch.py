@@ -17,7 +17,7 @@ import sys
 from omegaconf import DictConfig
 
 from respo_verl.data.check import check_data
-from respo_verl.run.jobcheck import check_machine, check_model
+from respo_verl.run.jobcheck import check_machine, check_model, task_runner_resources
 from respo_verl.run.nodes import lost_node_stop
 from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
 
@@ -39,6 +39,8 @@ def with_driver_hooks(runner_cls, config: DictConfig):
     (:func:`respo_verl.run.nodes.shared_folders`); a failure ends the run with exit 2 and one line per problem,
     before any model is loaded.
     """
+    import ray
+
     from respo_verl.run.nodes import shared_folders
     from respo_verl.run.preflight import check_ray_nodes
     from respo_verl.run.requirements import job_requirements
@@ -50,19 +52,25 @@ def with_driver_hooks(runner_cls, config: DictConfig):
         except RuntimeError as exc:  # check_ray_nodes raises RuntimeError only for a failed preflight
             print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_REFUSED) from None
+        missing = sorted(set(resources) - set(ray.cluster_resources()))
+        if missing:  # the TaskRunner would wait for a node with them for ever
+            print(f"{PROG}: ray_kwargs.task_runner_resources: no node of the cluster has {missing}", file=sys.stderr)
+            raise SystemExit(EXIT_REFUSED)
         start_watchdog(config)
         stop_on_sigterm()
+
+    # +ray_kwargs.task_runner_resources (checked with the job): none, Ray's choice (the driver's node if it has room)
+    resources = task_runner_resources(config)
 
     class _HookedTaskRunner:
         @staticmethod
         def remote(*args, **kwargs):
-            _before_start()
-            return runner_cls.remote(*args, **kwargs)
+            return _HookedTaskRunner.options().remote(*args, **kwargs)
 
         @staticmethod
-        def options(*args, **kwargs):
+        def options(**options):
             _before_start()
-            return runner_cls.options(*args, **kwargs)
+            return runner_cls.options(**({"resources": resources} if resources else {}), **options)
 
     return _HookedTaskRunner
 

@@ -36,6 +36,7 @@ from support import cpu_runs, ray_auth
 from support.ranks import free_port
 from support.trainer_checks import assert_weights_synced
 
+from respo_verl.run.checkpoint import TRACKER
 from respo_verl.run.nodes import MARKER, SharedFolders, unseen
 from respo_verl.run.reaper import reap
 from respo_verl.run.stops import EXIT_ACTOR_DIED
@@ -53,6 +54,7 @@ NODE_PORTS = (
     "metrics-export-port",
 )
 START_S = 180  # a node's start on a busy 2-core machine
+TRAINER_RESOURCE = "trainer_node"  # a custom resource of the worker only: the job's TaskRunner runs there
 
 
 def _ports(*names: str) -> list[str]:
@@ -74,6 +76,7 @@ class TwoNodes:
         self.worker: subprocess.Popen | None = None
         self.head_node, self.refused = HEAD_IP, (None, "")
         self.worker_out = root / "worker.txt"
+        self.trace = root / "watchdog.jsonl"
 
     def env(self, **extra: str) -> dict[str, str]:
         """The nodes' environment: this interpreter's ``python3`` and ``ray`` first on PATH, the token in its file."""
@@ -88,6 +91,7 @@ class TwoNodes:
             NUM_CPUS="8",
             RAY_TMPDIR=self.temp,
             DASHBOARD_PORT=str(self.dashboard_port),
+            RESPO_VERL_WATCHDOG_TRACE=str(self.trace),  # the job's driver, on the head, appends what it reads there
         )
         return {**env, **extra}
 
@@ -114,6 +118,7 @@ class TwoNodes:
 
     def worker_command(self, ip: str) -> list[str]:
         script = f"bash {SCRIPT} worker {HEAD_IP} " + " ".join(_ports(*NODE_PORTS))
+        script += f" --resources='{{\"{TRAINER_RESOURCE}\": 1}}'"  # the node the job's TaskRunner asks for
         # Its own mount namespace: the node-local folder is an empty tmpfs there.
         inner = f"mount -t tmpfs tmpfs {self.local} && exec {script}"
         return ["unshare", "--mount", "--propagation", "private", "bash", "-c", inner]
@@ -206,6 +211,8 @@ TWO_NODE_JOB = (
     "trainer.save_freq=2",
     "actor_rollout_ref.rollout.full_determinism=true",
     "data.shuffle=false",
+    # The TaskRunner on the worker, the driver (a Ray job's) on the head: the watchdog and the stop request cross.
+    f"+ray_kwargs.task_runner_resources={{{TRAINER_RESOURCE}:1}}",
 )
 # Every role of the job is an actor process: none may be left on the surviving node once the job has ended.
 JOB_PROCESSES = ("ray::WorkerDict", "ray::TaskRunner", "ray::vLLMHttpServer", "VLLM::EngineCore", "ray::AgentLoop")
@@ -363,16 +370,38 @@ def lost_and_resumed(cluster):
     result["leftovers"] = _job_processes(cluster)
     result["lost_lines"] = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     result["lost_out"] = (out / "logs" / f"{RUN}.out").read_text(errors="replace")
-    # The node comes back; the same sweep, run again unchanged, resubmits the run.
+    # The node comes back; the same sweep, run again unchanged, resubmits the run. Once the resumed attempt has
+    # started (its log's resume line), its driver on the head gets SIGTERM: the TaskRunner on the worker saves
+    # step 3 and ends the run.
     cluster.start_worker()
     cpu_runs.record_drivers(1, "respo_verl.main_ppo (sweep --ray, two nodes, resumed)")
-    again = subprocess.run(
-        _sweep(cluster, out), env=cluster.client_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    result["again"] = (again.returncode, again.stdout + again.stderr)
+    with (cluster.root / "sweep-2.txt").open("w") as fh:
+        again = subprocess.Popen(
+            _sweep(cluster, out), env=cluster.client_env(), stdout=fh, stderr=subprocess.STDOUT, cwd=cluster.root
+        )
+    while again.poll() is None and '"event":"resume"' not in (log.read_text() if log.is_file() else ""):
+        assert time.monotonic() < deadline + TIMEOUT_S, (cluster.root / "sweep-2.txt").read_text()[-3000:]
+        time.sleep(0.5)
+    driver = _driver(cluster)
+    result["driver_on_worker"] = cluster.worker.pid in {p.pid for p in driver.parents()}
+    driver.send_signal(signal.SIGTERM)
+    again.wait(timeout=TIMEOUT_S)
+    result["again"] = (again.returncode, (cluster.root / "sweep-2.txt").read_text())
     result["lines"] = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     result["out_text"] = (out / "logs" / f"{RUN}.out").read_text(errors="replace")
+    result["tracker"] = (out / "checkpoints" / RUN / TRACKER).read_text().strip()
     return result
+
+
+def _driver(cluster: TwoNodes) -> psutil.Process:
+    """The job's driver: the one ``python -m respo_verl.main_ppo`` process of the host."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = proc.info["cmdline"] or []
+        if line[1:3] == ["-m", "respo_verl.main_ppo"] and "python" in Path(line[0]).name:
+            found.append(proc)
+    assert len(found) == 1, [p.info["cmdline"][:4] for p in found]
+    return found[0]
 
 
 def _placement(text: str) -> dict[str, str]:
@@ -389,7 +418,7 @@ def test_ranks_and_vllm_servers_are_placed_one_per_node_and_the_run_says_where(c
         nodes = {cluster.head_node, WORKER_IP}
         assert {where.get("update worker rank 0"), where.get("update worker rank 1")} == nodes, text
         assert {where.get("rollout server 0"), where.get("rollout server 1")} == nodes, text
-        assert where.get("trainer") in nodes, text
+        assert where.get("trainer") == WORKER_IP, text  # ray_kwargs.task_runner_resources
 
 
 @pytest.mark.slow
@@ -416,18 +445,49 @@ def test_a_lost_node_stops_the_run_in_one_line_naming_it_its_roles_and_the_step(
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_driver_on_the_head_saves_and_stops_the_trainer_on_the_worker(lost_and_resumed):
+    """The stop request crosses nodes: the driver's SIGTERM reaches the TaskRunner on the other node through Ray,
+    which saves the step it is in and ends the run; the sweep reports the run as not complete."""
+    result = lost_and_resumed
+    rc, out = result["again"]
+    assert result["driver_on_worker"] is False
+    assert "SIGTERM: the trainer saves at the end of this step and stops" in result["out_text"], out[-3000:]
+    saved = f"respo-verl: stop requested (SIGTERM to the driver): saved global_step_{KILL_AFTER_STEP}, ending the run"
+    assert saved in result["out_text"], result["out_text"][-3000:]
+    assert result["tracker"] == str(KILL_AFTER_STEP)
+    assert rc != 0 and f"run {RUN} failed: job " in out, out[-3000:]
+    assert f"SUCCEEDED, {KILL_AFTER_STEP} of {STEPS} steps logged" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_the_watchdog_on_the_head_reads_every_phase_of_the_trainer_on_the_worker(cluster, lost_and_resumed):
+    """The phase record crosses nodes: the driver's watchdog (its trace) saw each phase of each step the trainer
+    ran on the worker, so every bound of run_guard applies there."""
+    records = [json.loads(line) for line in cluster.trace.read_text().splitlines()]
+    phases: dict[tuple[int, int], set[str]] = {}
+    for record in records:
+        if record.get("watched"):
+            phases.setdefault((record["pid"], record["step"]), set()).add(record["phase"])
+    trainers = sorted({pid for pid, _ in phases})
+    assert len(trainers) == 2, phases  # the lost run's TaskRunner, the resumed run's
+    want = {"generation", "old log-probs", "update", "weight sync"}
+    for pid, steps in zip(trainers, ((1, 2, 3), (KILL_AFTER_STEP,)), strict=True):
+        for step in steps:
+            assert want <= phases[(pid, step)], (pid, step, phases)
+    assert "save" in phases[(trainers[0], 2)] and "save" in phases[(trainers[1], KILL_AFTER_STEP)], phases
+
+
+@pytest.mark.slow
 def test_the_resubmitted_run_resumes_and_repeats_the_lost_runs_step(lost_and_resumed):
     """The resumed run redoes step 3 from the checkpoint of step 2 and equals the lost run's step 3, except for
     vLLM's log-probs of the same tokens (bounded)."""
     result = lost_and_resumed
-    rc, out = result["again"]
-    assert rc == 0, out[-3000:]
     assert "Resuming from" in result["out_text"] and "global_step_2" in result["out_text"], result["out_text"][-3000:]
     lost = [line for line in result["lost_lines"] if "step" in line]
     assert [line["step"] for line in lost] == list(range(1, KILL_AFTER_STEP + 1)), lost
     lines = result["lines"]
     tail = [line.get("step", line.get("event")) for line in lines[len(result["lost_lines"]) :]]
-    assert tail == ["resume", 3, 4], tail
+    assert tail == ["resume", KILL_AFTER_STEP], tail  # then SIGTERM
     resumed = {line["step"]: line["data"] for line in lines[len(result["lost_lines"]) :] if "step" in line}
     want, got = lost[KILL_AFTER_STEP - 1]["data"], resumed[KILL_AFTER_STEP]
     keys = {k for k in want if not any(part in k for part in _UNTIMED)}

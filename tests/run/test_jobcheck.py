@@ -36,6 +36,12 @@ LOSS = "actor_rollout_ref.actor.policy_loss"
             "run_guard.sampler_agreement must be one of stop, warn, off, got 1e-12",
         ),
         (["algorithm=respo", "run_guard.max_phase_s=0"], "run_guard.max_phase_s must be > 0, got 0"),
+        (
+            ["algorithm=respo", "+ray_kwargs.task_runner_resources={trainer_node:0}"],
+            "ray_kwargs.task_runner_resources={'trainer_node': 0}: takes a map of Ray resource names to positive "
+            "amounts, e.g. {trainer_node: 1}",
+        ),
+        (["algorithm=respo", "+ray_kwargs.task_runner_resources=head"], "ray_kwargs.task_runner_resources=head: "),
     ],
 )
 def test_bad_jobs_are_refused_with_one_line(overrides, message):
@@ -52,6 +58,7 @@ def test_bad_jobs_are_refused_with_one_line(overrides, message):
         ["algorithm=gspo", "model_engine=megatron", "routing=r3"],
         ["algorithm=grpo", "routing=off"],
         ["algorithm=respo", f"{LOSS}.respo.alpha_neg=3", f"{LOSS}.respo.lambda_pos=0"],
+        ["algorithm=respo", "+ray_kwargs.task_runner_resources={trainer_node:1,memory_node:0.5}"],
     ],
 )
 def test_valid_jobs_pass(overrides):

@@ -274,3 +274,43 @@ def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_pr
     err = capsys.readouterr().err
     assert err.startswith("respo_verl.main_ppo: respo-verl preflight failed on 1 node(s)")
     assert "node 10.0.0.7 (gpu-07): DeepEP" in err
+
+
+def test_the_taskrunner_asks_for_its_resources_and_one_no_node_has_is_refused(monkeypatch, capsys, tmp_path):
+    """``ray_kwargs.task_runner_resources`` reach the TaskRunner's options; a resource that no node of the cluster
+    has is refused in one line, exit 2 (the TaskRunner would wait for ever). Ray itself is stood in for here: the
+    two-node test (tests/cpu/test_two_nodes.py) places a real TaskRunner by such a resource."""
+    import ray
+
+    import respo_verl.run.launch as launch
+    import respo_verl.run.preflight as preflight
+
+    asked = []
+
+    class Runner:
+        @staticmethod
+        def options(**options):
+            asked.append(options)
+            return Runner
+
+        @staticmethod
+        def remote(*args, **kwargs):
+            return "runner"
+
+    monkeypatch.setattr(preflight, "check_ray_nodes", lambda **kwargs: None)
+    monkeypatch.setattr(launch, "start_watchdog", lambda config: None)
+    monkeypatch.setattr(launch, "stop_on_sigterm", lambda: False)
+    overrides = ["algorithm=respo", f"trainer.default_local_dir={tmp_path}"]
+    config = compose([*overrides, "+ray_kwargs.task_runner_resources={trainer_node:1}"])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "trainer_node": 1.0})
+    assert launch.with_driver_hooks(Runner, config).remote() == "runner"
+    assert asked == [{"resources": {"trainer_node": 1.0}}]
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    with pytest.raises(SystemExit) as exit_info:
+        launch.with_driver_hooks(Runner, config).remote()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "respo_verl.main_ppo: ray_kwargs.task_runner_resources: no node of the cluster has ['trainer_node']\n"
+    )
+    assert launch.with_driver_hooks(Runner, compose(overrides)).options(max_concurrency=2).remote() == "runner"
+    assert asked[-1] == {"max_concurrency": 2}  # none asked: Ray's choice
