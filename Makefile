@@ -38,10 +38,11 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# Two pytest workers, one test file at a time each (a file's shared runs stay in one worker): the suite is sized for
-# the 2-core machine of the README's Testing section. TEST_WORKERS=0 runs it in one process.
+# Two pytest workers, one test file at a time each (a file's shared runs stay in one worker), the heaviest files first
+# (tests/conftest.py, HEAVY_FILES): the suite is sized for the 2-core machine of the README's Testing section.
+# TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The whole suite, the 25 slowest tests listed at the end (README, Testing: the tiers and their times).
 test: lint

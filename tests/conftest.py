@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Ray's token auth, on as on a user's cluster, with a token of this test session (tests/support/ray_auth.py).
@@ -74,10 +75,40 @@ _hypothesis_settings.register_profile("explore", max_examples=2000, deadline=Non
 _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# --- the order of the files ------------------------------------------------------------------------------------------
+# `make test` hands whole files to two workers in collection order (pytest-xdist's loadfile, with
+# --no-loadscope-reorder: by default xdist sorts files by their number of tests, which put the heaviest files, with few
+# tests each, last, where one worker ran them alone). The heaviest files go first, longest first, so that the other
+# worker fills the time with the rest: seconds per file on the 2-core machine of the README, measured with
+# `--durations=0` in the whole suite (rounded; a new heavy file belongs here).
+HEAVY_FILES = {
+    "tests/cpu/test_two_nodes.py": 500,
+    "tests/cpu/test_cpu_vllm.py": 400,
+    "tests/cpu/test_cpu_resume.py": 350,
+    "tests/cpu/test_cpu_megatron_resume.py": 300,
+    "tests/cpu/test_cpu_hangs.py": 250,
+    "tests/cpu/test_demo.py": 200,
+    "tests/cpu/test_cpu_stops.py": 150,
+    "tests/cpu/test_cpu_trainer.py": 150,
+}
+
+
+def _heaviest_first(items) -> None:
+    rank = {path: i for i, path in enumerate(sorted(HEAVY_FILES, key=HEAVY_FILES.get, reverse=True))}
+    root = Path(__file__).resolve().parents[1]
+
+    def order(item) -> int:
+        path = Path(str(item.path)).resolve()
+        return rank.get(path.relative_to(root).as_posix() if path.is_relative_to(root) else "", len(rank))
+
+    items.sort(key=order)  # stable: the other files, and the tests of each file, keep their order
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip themselves where no CUDA device is present."""
+    """The heaviest files first (above); tests marked ``gpu`` skip themselves where no CUDA device is present."""
     import torch
 
+    _heaviest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
