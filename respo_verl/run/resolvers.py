@@ -52,7 +52,7 @@ def run_name(model: str, algorithm: str, reuse: int, seed: int, routing: str | N
 
 
 def job_run_name(loss_mode, train_batch_size, mini_batch_size, seed, model_path, replay=None) -> str:
-    """:func:`run_name` of a composed job (the ``respo_verl.run_name`` resolver): the model folder's name, the
+    """:func:`run_name` of a composed job (the presets' ``run_name`` resolver): the model folder's name, the
     algorithm preset that selects ``loss_mode``, N = train_batch_size / mini_batch_size, and verl's
     ``router_replay.mode`` ``replay`` (None or ``disabled``: off)."""
     from respo_verl.routing.mode import mode_of
