@@ -87,12 +87,15 @@ demo-mini: setup
 # DEMO_MOE_ROUTING=r3 replays the rollout's routes instead (R3).
 DEMO_MOE_OUT ?= outputs/demo-moe
 DEMO_MOE_ROUTING ?= r2
+# The run's name and log file, in the package's scheme (respo_verl/run/resolvers.py, run_name); the job sets no seed,
+# so its rollout's is verl's default, 42.
+DEMO_MOE_RUN = cpu-moe-respo-n4-s42$(if $(filter-out off,$(DEMO_MOE_ROUTING)),-$(DEMO_MOE_ROUTING))
 demo-moe: setup
 	rm -rf $(DEMO_MOE_OUT) && mkdir -p $(DEMO_MOE_OUT)/log
-	VERL_FILE_LOGGER_PATH=$(CURDIR)/$(DEMO_MOE_OUT)/log/respo-n4-s0.jsonl $(PY) -m respo_verl.main_ppo \
+	VERL_FILE_LOGGER_PATH=$(CURDIR)/$(DEMO_MOE_OUT)/log/$(DEMO_MOE_RUN).jsonl $(PY) -m respo_verl.main_ppo \
 		algorithm=respo routing=$(DEMO_MOE_ROUTING) model_engine=megatron +device=cpu_megatron \
 		actor_rollout_ref.actor.ppo_mini_batch_size=2 data.train_batch_size=8 trainer.total_training_steps=4 \
-		trainer.experiment_name=respo_moe_$(DEMO_MOE_ROUTING)_n4 hydra.run.dir=$(DEMO_MOE_OUT)/hydra \
+		trainer.experiment_name=$(DEMO_MOE_RUN) hydra.run.dir=$(DEMO_MOE_OUT)/hydra \
 		+ray_kwargs.ray_init._temp_dir=$$(mktemp -d /tmp/rv-XXXX) > $(DEMO_MOE_OUT)/main_ppo.log 2>&1 \
 		|| { tail -n 25 $(DEMO_MOE_OUT)/main_ppo.log; exit 1; }
 	$(VENV)/bin/respo-verl report $(DEMO_MOE_OUT)/log --out $(DEMO_MOE_OUT)/report --reward-range pm1 \

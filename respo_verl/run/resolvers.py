@@ -1,11 +1,12 @@
-"""OmegaConf resolvers the presets use for a run's identity and its checkpoint interval.
+"""A run's name (:func:`run_name`, the one scheme), and the OmegaConf resolvers the presets use for a run's identity
+and its checkpoint interval.
 
-:func:`register` registers them (idempotent); the plugin calls it in every verl process and composition calls it
-before composing, so that the presets resolve the same wherever a job is composed or resolved. Imports omegaconf
-and the package's layout rules only.
+:func:`register` registers the resolvers (idempotent); the plugin calls it in every verl process and composition
+calls it before composing, so that the presets resolve the same wherever a job is composed or resolved. Imports
+omegaconf and the package's layout rules and routing modes only.
 
 - ``${respo_verl.run_name:<loss_mode>,<train_batch_size>,<ppo_mini_batch_size>,<seed>,<model path>,<replay>}``:
-  :func:`run_name`, the default experiment name (and so the default checkpoint folder) of a run;
+  :func:`job_run_name`, the default experiment name (and so the default checkpoint folder) of a run;
 - ``${respo_verl.save_freq:<updates>,<train_batch_size>,<ppo_mini_batch_size>}``: :func:`save_freq`, so that a
   pre-emption loses the same share of the run at every N.
 """
@@ -28,16 +29,37 @@ def _reuse(train_batch_size, mini_batch_size) -> int:
     return train // mini
 
 
-def run_name(loss_mode, train_batch_size, mini_batch_size, seed, model_path, replay=None) -> str:
-    """``<algorithm>_n<N>_seed<seed>_<model folder name>[_<routing>]``, N = train_batch_size / mini_batch_size;
-    ``replay`` is verl's ``router_replay.mode`` (None or ``disabled``: no suffix)."""
+def run_name(model: str, algorithm: str, reuse: int, seed: int, routing: str | None = None) -> str:
+    """A run's name, ``<model>-<algorithm>-n<N>-s<seed>``, then ``-<routing>`` with routing replay on.
+
+    verl's ``trainer.experiment_name``: it names the run's checkpoint folder and its file log, from which the report
+    reads the algorithm, N and seed back (respo_verl/tools/report/analysis.py, ``NAME_PATTERN``). The presets
+    (:func:`job_run_name`) and the sweep (respo_verl/tools/sweep/grid.py) name their runs with it.
+
+    Args:
+        model: a short model tag: the sweep's ``--model``; a preset's, the model folder's name.
+        algorithm: the algorithm preset (respo_verl/algorithms.py).
+        reuse: N, optimizer updates per rollout batch.
+        seed: the run's seed.
+        routing: routing replay, one of ``respo_verl.routing.mode.REPLAY_MODES``; None or ``off`` adds nothing.
+    """
+    from respo_verl.routing.mode import REPLAY_MODES
+
+    if routing is not None and routing not in REPLAY_MODES:
+        raise ValueError(f"routing must be one of {', '.join(REPLAY_MODES)}, got {routing!r}")
+    name = f"{model}-{algorithm}-n{reuse}-s{seed}"
+    return name if routing in (None, "off") else f"{name}-{routing}"
+
+
+def job_run_name(loss_mode, train_batch_size, mini_batch_size, seed, model_path, replay=None) -> str:
+    """:func:`run_name` of a composed job (the presets' ``run_name`` resolver): the model folder's name, the
+    algorithm preset that selects ``loss_mode``, N = train_batch_size / mini_batch_size, and verl's
+    ``router_replay.mode`` ``replay`` (None or ``disabled``: off)."""
     from respo_verl.routing.mode import mode_of
 
     algorithm = ALGORITHM_OF_LOSS.get(str(loss_mode), str(loss_mode))
     model = PurePosixPath(str(model_path).rstrip("/")).name or "model"
-    name = f"{algorithm}_n{_reuse(train_batch_size, mini_batch_size)}_seed{seed}_{model}"
-    mode = mode_of(replay)
-    return name if mode == "off" else f"{name}_{mode}"
+    return run_name(model, algorithm, _reuse(train_batch_size, mini_batch_size), seed, mode_of(replay))
 
 
 def save_freq(updates, train_batch_size, mini_batch_size) -> int:
@@ -49,6 +71,6 @@ def register() -> None:
     """Register the resolvers under ``respo_verl.*`` (idempotent)."""
     from omegaconf import OmegaConf
 
-    for name, function in (("run_name", run_name), ("save_freq", save_freq)):
+    for name, function in (("run_name", job_run_name), ("save_freq", save_freq)):
         if not OmegaConf.has_resolver(f"{NAMESPACE}.{name}"):
             OmegaConf.register_new_resolver(f"{NAMESPACE}.{name}", function)

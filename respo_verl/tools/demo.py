@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from respo_verl import algorithms
+from respo_verl.run.resolvers import run_name
 
 PROJECT = "respo_verl_cpu"
 MINI_BATCH_PROMPTS = 2  # ppo_mini_batch_size of the demo (prompts); the rollout batch is N times that
@@ -43,6 +44,8 @@ REGIME_ALGORITHMS = ("respo", "vespo")
 TRACE_ENV = "RESPO_VERL_KERNEL_TRACE"  # respo_verl.verl.losses.TRACE_ENV; not imported: it would import verl
 TRACE_BESIDE_LOG = "beside-log"  # respo_verl.verl.losses.TRACE_BESIDE_LOG: each run's trace beside its own log
 SWEEP_MODEL = "cpu-chain"  # the sweep's model tag: the runs are <model>-<algorithm>-n<N>-s0
+QUICK_MODEL = "cpu"  # the --quick run's model tag in its name (the kit's dense model, addition task)
+QUICK_SEED = 42  # the --quick run sets no seed: its rollout's is verl's default, which its name carries
 SWEEP_OUTPUT = "sweep.txt"  # the sweep's own output, in --out
 TAIL_LINES = 25  # lines of a failed sweep's output the demo shows
 INTERRUPTED = 130  # the shell's status of a command ended by Ctrl-C
@@ -176,7 +179,7 @@ def run_record(log: Path, algorithm: str, reuse: int, steps: int, cmd: list[str]
         name=log.stem,
         algorithm=algorithm,
         reuse=reuse,
-        seed=0,
+        seed=QUICK_SEED,
         log=str(log),
         optimizer_steps=steps * reuse,
         config_hash=hashlib.sha256(json.dumps(cmd[3:]).encode()).hexdigest()[:16],
@@ -223,7 +226,7 @@ def _report(folder: Path, out: Path) -> int:
 
 def quick(args: argparse.Namespace) -> int:
     reuse, steps = args.reuse or 4, args.steps or 8
-    experiment = f"{args.algorithm}_n{reuse}"
+    experiment = run_name(QUICK_MODEL, args.algorithm, reuse, QUICK_SEED)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         log = log_path(args.out, experiment)

@@ -1,9 +1,10 @@
 # Sourced by examples/run_*.sh after their knob block: builds the verl command line, checks the layout with
 # `respo-verl plan`, then runs it (or, with DRY_RUN=1, prints it and composes it with `--cfg job`).
 # Expects: ALGO N SEED PRESET ROUTING MODEL_PATH DATA_DIR TASK SEED_KEY PYTHON DRY_RUN PLAN EXPERIMENT PROJECT
-# CKPT_DIR LOGGER, and "$@" (extra Hydra overrides). An empty PYTHON means the checkout's GPU environment .venv-gpu
-# if there is one (scripts/install_gpu_env.sh), else its .venv (`make setup`, CPU torch), else python3; it must import
-# respo_verl, and for a CUDA job (trainer.device=cuda, verl's default) its torch must see CUDA.
+# CKPT_DIR LOGGER, and "$@" (extra Hydra overrides). An empty EXPERIMENT lets the preset name the run. An empty PYTHON
+# means the checkout's GPU environment .venv-gpu if there is one (scripts/install_gpu_env.sh), else its .venv
+# (`make setup`, CPU torch), else python3; it must import respo_verl, and for a CUDA job (trainer.device=cuda, verl's
+# default) its torch must see CUDA.
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [[ -z "$PYTHON" ]]; then
@@ -44,10 +45,11 @@ OVERRIDES=(
   "actor_rollout_ref.rollout.seed=$SEED"
   "trainer.total_training_steps=$((TOTAL_UPDATES / N))"
   "trainer.project_name=$PROJECT"
-  "trainer.experiment_name=$EXPERIMENT"
-  "trainer.default_local_dir=$CKPT_DIR/$EXPERIMENT"
+  "trainer.default_local_dir=$CKPT_DIR/\${trainer.experiment_name}"
   "trainer.logger=$LOGGER"
 )
+# The run's name: the preset's (respo_verl/run/resolvers.py, run_name), unless EXPERIMENT replaces it.
+if [[ -n "$EXPERIMENT" ]]; then OVERRIDES+=("trainer.experiment_name=$EXPERIMENT"); fi
 # routing is a config group of respo_verl.main_ppo's primary config: a plain override, not +routing=.
 if [[ -n "$ROUTING" ]]; then OVERRIDES+=("routing=$ROUTING"); fi
 OVERRIDES+=("$@")

@@ -62,10 +62,17 @@ def _save(folder, step, cfg, marker=True, listed=True):
 # --- resolvers -----------------------------------------------------------------------------------------------------
 
 
-def test_run_name_carries_algorithm_n_seed_model_and_routing():
-    assert resolvers.run_name("respo", 64, 16, 1, "/m/Qwen3-30B-A3B/", "R3") == "respo_n4_seed1_Qwen3-30B-A3B_r3"
-    assert resolvers.run_name("vanilla", 64, 2, 7, "Qwen/Qwen3-1.7B") == "grpo_n32_seed7_Qwen3-1.7B"
-    assert resolvers.run_name("gspo", 64, 64, 0, "m", "disabled") == "gspo_n1_seed0_m"
+def test_run_name_carries_model_algorithm_n_seed_and_routing():
+    assert resolvers.run_name("cpu-moe", "respo", 2, 0, "r3") == "cpu-moe-respo-n2-s0-r3"
+    assert resolvers.run_name("m", "vespo", 8, 1, "off") == resolvers.run_name("m", "vespo", 8, 1) == "m-vespo-n8-s1"
+    with pytest.raises(ValueError, match=r"routing must be one of off, r2, r3, got 'R3'"):
+        resolvers.run_name("m", "respo", 8, 1, "R3")
+
+
+def test_a_jobs_run_name_is_the_scheme_with_the_model_folder_and_the_loss_modes_algorithm():
+    assert resolvers.job_run_name("respo", 64, 16, 1, "/m/Qwen3-30B-A3B/", "R3") == "Qwen3-30B-A3B-respo-n4-s1-r3"
+    assert resolvers.job_run_name("vanilla", 64, 2, 7, "Qwen/Qwen3-1.7B") == "Qwen3-1.7B-grpo-n32-s7"
+    assert resolvers.job_run_name("gspo", 64, 64, 0, "m", "disabled") == "m-gspo-n1-s0"
 
 
 def test_save_freq_is_a_fixed_number_of_updates_and_at_least_every_step():

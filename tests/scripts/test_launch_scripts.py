@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from respo_verl.run import resolvers
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,13 +42,24 @@ def _job(res: subprocess.CompletedProcess):
 
 @pytest.mark.slow
 def test_routing_knob_composes_the_job_from_a_plain_shell():
-    """ROUTING=r2 reaches the composed job; no PYTHON and no venv on PATH: the script finds the checkout's .venv."""
+    """ROUTING=r2 reaches the composed job; no PYTHON and no venv on PATH: the script finds the checkout's .venv.
+    Without EXPERIMENT the preset names the run (respo_verl.run.resolvers.run_name), and CKPT_DIR holds its folder."""
     script = ROOT / "examples/run_qwen3_30b_a3b_megatron.sh"
-    env = _plain_shell_env(PLAN="0", DRY_RUN="1", ROUTING="r2")
+    env = _plain_shell_env(PLAN="0", DRY_RUN="1", ROUTING="r2", CKPT_DIR="/ckpt", MODEL_PATH="/m/Qwen3-30B-A3B-Base")
     res = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=300)
     job = _job(res)
+    resolvers.register()  # --cfg job prints the job unresolved
     assert job.actor_rollout_ref.actor.megatron.router_replay.mode == "R2"
-    assert job.trainer.experiment_name.endswith("_r2")
+    assert job.trainer.experiment_name == "Qwen3-30B-A3B-Base-respo-n8-s1-r2"
+    assert job.trainer.default_local_dir == "/ckpt/Qwen3-30B-A3B-Base-respo-n8-s1-r2"
+
+
+@pytest.mark.slow
+def test_experiment_replaces_the_presets_run_name():
+    res = _run("examples/run_qwen3_1p7b_fsdp.sh", PLAN="0", DRY_RUN="1", EXPERIMENT="mine", CKPT_DIR="/ckpt")
+    job = _job(res)
+    resolvers.register()
+    assert (job.trainer.experiment_name, job.trainer.default_local_dir) == ("mine", "/ckpt/mine")
 
 
 def test_an_interpreter_without_respo_verl_is_named_with_what_to_do():

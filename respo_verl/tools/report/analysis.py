@@ -35,7 +35,8 @@ INDEPENDENT = "method-independent"
 LOSS_OWN = "loss's own"
 STARVED_MASS_MEASURES = (INDEPENDENT, LOSS_OWN)
 STARVED_MASS_PATTERN = re.compile(r"^actor/(?P<loss>[^/]+)/starved_mass_share$")
-# Run names without a manifest: the sweep's ``<model>-respo-n32-s0``, ``respo_n32_seed0``, and the miniature's
+# Run names without a manifest: the package's ``<model>-respo-n32-s0[-<routing>]`` (respo_verl/run/resolvers.py,
+# run_name: the presets' and the sweep's), the presets' former ``respo_n32_seed0_<model>``, and the miniature's
 # ``respo_n32_lr4e-04_w0_seed0`` (experiments/mini/train.py, RunConfig.name: learning rate and warm-start seed).
 # Longest names first, so that ``respo_pos_n8`` is the ablation respo_pos and not respo followed by junk.
 _NAMES = sorted(algorithms.BY_NAME, key=len, reverse=True)

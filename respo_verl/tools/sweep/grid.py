@@ -16,7 +16,7 @@ from pathlib import Path
 from respo_verl.algorithms import ALGORITHMS
 from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
 from respo_verl.routing.mode import REPLAY_MODES
-from respo_verl.run import checkpoint
+from respo_verl.run import checkpoint, resolvers
 from respo_verl.run.compose import ComposeError, compose_job
 from respo_verl.tools.runs.manifest import RunRecord, check_name
 
@@ -128,7 +128,9 @@ class SweepSpec:
 
 
 def run_name(spec: SweepSpec, algorithm: str, reuse: int, seed: int) -> str:
-    return f"{spec.model}-{algorithm}-n{reuse}-s{seed}"
+    """The run's name in the package's one scheme (:func:`respo_verl.run.resolvers.run_name`), ``spec.model`` as its
+    model tag."""
+    return resolvers.run_name(spec.model, algorithm, reuse, seed, spec.routing)
 
 
 def checkpoint_dir(spec: SweepSpec, name: str) -> Path:

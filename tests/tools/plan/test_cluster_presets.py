@@ -184,7 +184,7 @@ def test_every_preset_saves_every_32_updates_into_a_folder_of_its_own(preset):
     assert cfg.trainer.resume_mode == "auto" and cfg.trainer.max_actor_ckpt_to_keep == 2
     folder = Path(cfg.trainer.default_local_dir)
     assert folder.is_absolute() and folder.name == cfg.trainer.experiment_name
-    assert cfg.trainer.experiment_name.startswith(f"respo_n{reuse}_seed{cfg.actor_rollout_ref.rollout.seed}_")
+    assert cfg.trainer.experiment_name.endswith(f"-respo-n{reuse}-s{cfg.actor_rollout_ref.rollout.seed}")
 
 
 def test_runs_that_differ_in_algorithm_n_seed_or_routing_get_different_folders():
@@ -200,14 +200,15 @@ def test_runs_that_differ_in_algorithm_n_seed_or_routing_get_different_folders()
     }
     folders = {k: compose([*v, *base], entry="respo").trainer.default_local_dir for k, v in variants.items()}
     assert len(set(folders.values())) == len(folders), folders
-    assert folders["respo"].endswith("/respo_verl/respo_n8_seed42_Qwen3-30B-A3B-Base")
-    assert folders["r3"].endswith("_Qwen3-30B-A3B-Base_r3") and folders["grpo"].split("/")[-1].startswith("grpo_n8")
+    assert folders["respo"].endswith("/respo_verl/Qwen3-30B-A3B-Base-respo-n8-s42")
+    assert folders["r3"].endswith("/Qwen3-30B-A3B-Base-respo-n8-s42-r3") and folders["grpo"].endswith("-grpo-n8-s42")
 
 
 def test_checkpoint_root_follows_the_environment(monkeypatch):
     monkeypatch.setenv("RESPO_VERL_CHECKPOINTS", "/scratch/ckpt")
     cfg = compose(["algorithm=respo", "+cluster=qwen3_1p7b_h100_1x8", "+task=dapo_math_overlong"], entry="respo")
-    assert cfg.trainer.default_local_dir.startswith("/scratch/ckpt/respo_verl/respo_n")
+    assert cfg.trainer.default_local_dir == f"/scratch/ckpt/respo_verl/{cfg.trainer.experiment_name}"
+    assert "-respo-n" in cfg.trainer.experiment_name
 
 
 def test_the_planner_prints_the_checkpoint_cost(capsys):

@@ -25,9 +25,9 @@ def test_a_preset_without_a_model_path_says_it_is_missing(capsys):
     assert OmegaConf.select(cfg, MODEL_PATH) == default
     line = _checkpoint_line(capsys, ["qwen3_30b_a3b_h100_2x8"])
     assert PurePosixPath(default).name not in line
-    assert f"_{MISSING_MODEL_PLACEHOLDER}" in line and f"{MODEL_PATH} is missing" in line
+    assert f"/{MISSING_MODEL_PLACEHOLDER}-respo-n" in line and f"{MODEL_PATH} is missing" in line
 
 
 def test_a_given_model_path_names_the_folder(capsys):
     line = _checkpoint_line(capsys, ["qwen3_30b_a3b_h100_2x8", f"{MODEL_PATH}=/models/Qwen3-30B-A3B-Base"])
-    assert "_Qwen3-30B-A3B-Base" in line and "missing" not in line and MISSING_MODEL_PLACEHOLDER not in line
+    assert "/Qwen3-30B-A3B-Base-respo-n" in line and "missing" not in line and MISSING_MODEL_PLACEHOLDER not in line

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from support.report_logs import runs_and_logs
 
+from respo_verl import algorithms
 from respo_verl.cli import main as cli_main
+from respo_verl.run.resolvers import run_name
 from respo_verl.tools.report.analysis import LOSS_OWN, RunIdentity, parse_run_name, summarise_groups, summarise_run
 from respo_verl.tools.report.render import (
     ZERO_PLOT_TOP,
@@ -145,6 +147,14 @@ def test_the_early_window_caveat_counts_the_short_runs_and_is_absent_without_the
         "early score is their AUC."
     )
     assert _short_run_note([long]) == ""
+
+
+@pytest.mark.parametrize("routing", [None, "r2", "r3"])
+@pytest.mark.parametrize("algorithm", algorithms.NAMES)
+def test_the_run_name_scheme_is_read_back_from_a_log_name(algorithm, routing):
+    """The one scheme (respo_verl.run.resolvers.run_name), a model folder's name with dots and dashes as its model."""
+    name = run_name("Qwen3-30B-A3B-Base", algorithm, 16, 42, routing)
+    assert parse_run_name(name) == RunIdentity(algorithm, 16, 42)
 
 
 def test_the_miniature_s_log_names_are_parsed():

@@ -196,6 +196,21 @@ def test_the_sweep_seeds_the_keys_the_examples_seed(tmp_path, script):
 SMALL_GRID = ["sweep", "--print", "--algos", "respo", "--reuse", "8", "--seeds", "0"]
 
 
+@pytest.mark.parametrize("routing, suffix", [("r3", "-r3"), ("r2", "-r2"), ("off", "")])
+def test_a_run_name_carries_routing_replay_when_it_is_on(tmp_path, capsys, routing, suffix):
+    """The one scheme (respo_verl.run.resolvers.run_name): in the manifest, the experiment name, the log and the
+    checkpoint folder alike."""
+    out = tmp_path / "out"
+    argv = [*SMALL_GRID, "--no-compose", "--model", "cpu-moe", "--routing", routing, "--out", str(out)]
+    assert cli_main([*argv, "--checkpoints", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    (record,) = read_manifest(out / "manifest.jsonl")
+    name = f"cpu-moe-respo-n8-s0{suffix}"
+    assert record.name == name and record.log == f"logs/{name}.jsonl"
+    assert f"trainer.experiment_name={name}" in record.command
+    assert f"trainer.default_local_dir={tmp_path / 'ckpt' / name}" in record.command
+
+
 def test_checkpoint_folders_are_per_run_and_set_by_the_sweep_only(tmp_path, capsys):
     argv = [*SMALL_GRID[:-1], "0,1", "--no-compose", "--out", str(tmp_path / "out")]
     assert cli_main([*argv, "--checkpoints", str(tmp_path / "ckpt")]) == 0
