@@ -232,16 +232,11 @@ def checkpoint_folder(cfg: Any, cwd: Path | None = None) -> Path:
 
 
 def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> ResumePlan:
-    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder.
-
-    A half-written newest checkpoint (a ``global_step_<k>`` folder without the marker) is reported and skipped; the
-    run resumes from the newest complete one, once its files verify (:func:`verify`). A marker without a file list
-    (saved before markers had one) is accepted with a note. With ``trainer.resume_mode=resume_path``, the checkpoint
-    it names is verified when it has a marker.
-
-    Args:
-        run: the run's :func:`identity` when the caller took it earlier (the trainer takes it before verl adds its
-            own keys to the configuration); by default it is taken from ``cfg``.
+    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder (docs/internals.md, "The
+    respo-verl trainer and its checkpoints": half-written checkpoints skipped, the newest complete one verified); with
+    ``trainer.resume_mode=resume_path``, verify the checkpoint it names when it has a marker. ``run``: the run's
+    :func:`identity` when the caller took it earlier (the trainer, before verl adds its own keys to the
+    configuration); by default it is taken from ``cfg``.
 
     Raises:
         CheckpointError: the newest complete checkpoint belongs to another configuration, or one of its files is
