@@ -73,8 +73,7 @@ class ActorDied(RunStopped):
 
 
 class StepStalled(RunStopped):
-    """Generation or validation finished no sample for the watchdog's bound; the message names the step, what it
-    waited for, the bound."""
+    """Generation or validation finished no sample for the watchdog's bound (the message names the step and it)."""
 
     exit_status = EXIT_STALLED
     what = "watchdog"
@@ -88,9 +87,8 @@ class StalledAfterStop(StepStalled):
 
 
 class PhaseStalled(RunStopped):
-    """A phase of a step other than generation and validation (old log-probs, the update, the weight sync, the
-    save, ...) neither ended nor made progress within the watchdog's phase deadline; the message names the step, the
-    phase, the actors it waits on and the bound."""
+    """Any other phase of a step neither ended nor made progress within the watchdog's phase deadline; the message
+    names the step, the phase, the actors it waits on and the bound."""
 
     exit_status = EXIT_PHASE_STALLED
     what = "watchdog, phase deadline"
