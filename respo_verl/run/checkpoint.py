@@ -230,8 +230,8 @@ def checkpoint_folder(cfg: Any, cwd: Path | None = None) -> Path:
 
 
 def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> ResumePlan:
-    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder (docs/internals.md, "The
-    respo-verl trainer and its checkpoints": half-written checkpoints skipped, the newest complete one verified); with
+    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder: half-written checkpoints
+    skipped, the newest complete one verified (docs/internals.md, "The respo-verl trainer and its checkpoints"); with
     ``trainer.resume_mode=resume_path``, verify the checkpoint it names when it has a marker. ``run``: the run's
     :func:`identity` when the caller took it earlier (the trainer, before verl adds its own keys to the
     configuration); by default it is taken from ``cfg``.

@@ -4,8 +4,8 @@
 driver's process group does not reach it). It records the driver's process tree while the driver lives (:func:`watch`)
 and stops what is left once the driver has ended (:func:`reap`), within :data:`REAP_BOUND_S`; never a cluster the
 driver connected to through an address, anything outside the driver's process tree and the session's folder, or a
-process of another user. Why (what Ray's own fate sharing leaves behind), and the tests: docs/internals.md, "Ray's
-processes end with the driver". Linux only (the terminal's foreground group is read from ``/proc``).
+process of another user. Linux only (the terminal's foreground group is read from ``/proc``). Why (what Ray's own
+fate sharing leaves behind), and the tests: docs/internals.md, "The respo-verl trainer and its checkpoints".
 """
 
 from __future__ import annotations
