@@ -32,16 +32,13 @@ class CPUMegatronEngine:
         super().__init__(*args, **kwargs)
 
 
-def engine_classes(*mixins: type) -> dict[str, type]:
-    """verl's Megatron engines (language model, value model) with :class:`CPUMegatronEngine` and ``mixins``.
-
-    ``mixins`` come first in the method order (the route-drift engine's, for ``routing=r2|r3``).
-    """
+def engine_classes() -> dict[str, type]:
+    """verl's Megatron engines (language model, value model) with :class:`CPUMegatronEngine` (the route-drift
+    engines on CPU are :func:`respo_verl.routing.engine.engine_classes` with it as a mixin)."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-    prefix = "".join(m.__name__.removesuffix("Engine") for m in mixins)
     return {
-        model_type: type(f"{prefix}CPU{base.__name__}", (*mixins, CPUMegatronEngine, base), {})
+        model_type: type(f"CPU{base.__name__}", (CPUMegatronEngine, base), {})
         for model_type, base in (
             ("language_model", MegatronEngineWithLMHead),
             ("value_model", MegatronEngineWithValueHead),

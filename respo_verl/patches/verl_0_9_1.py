@@ -36,7 +36,7 @@ trainer.
   Under the patch a request without a priority gets one derived from the sample (:func:`sample_priority`: the
   dataset index, the session, i.e. which of the n responses it is, and the prompt), the same in every run.
   Delete when: verl's TransferQueue agent loop gives each sample a priority of its own.
-- :data:`FILE_LOGGER_APPEND`, applied by the respo-verl trainer (``respo_verl/run/trainer.py``) in the process
+- :data:`FILE_LOGGER_APPEND`, applied by the respo-verl trainer (``respo_verl/run/respo_trainer.py``) in the process
   that builds verl's ``Tracking``. verl's ``verl.utils.tracking.FileLogger`` opens its file with ``"wb"``, so a
   resumed run erases the steps it logged before the pre-emption. Under the patch ``Tracking`` builds
   :class:`AppendingFileLogger`: same file, same lines, but a file that already holds lines is appended to, after

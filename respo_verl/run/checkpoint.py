@@ -213,15 +213,13 @@ def _describe(info: dict) -> str:
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """What the run will do about its checkpoint folder.
+    """What the run will do about its checkpoint folder (:func:`checkpoint_folder`).
 
     Attributes:
-        folder: the run's checkpoint folder (absolute).
         resume_from: the complete checkpoint to resume from, or None to start from scratch.
         warnings: lines to print loudly (half-written checkpoints skipped, checkpoints without a marker).
     """
 
-    folder: Path
     resume_from: Path | None
     warnings: tuple[str, ...] = ()
 
@@ -232,16 +230,11 @@ def checkpoint_folder(cfg: Any, cwd: Path | None = None) -> Path:
 
 
 def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> ResumePlan:
-    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder.
-
-    A half-written newest checkpoint (a ``global_step_<k>`` folder without the marker) is reported and skipped; the
-    run resumes from the newest complete one, once its files verify (:func:`verify`). A marker without a file list
-    (saved before markers had one) is accepted with a note. With ``trainer.resume_mode=resume_path``, the checkpoint
-    it names is verified when it has a marker.
-
-    Args:
-        run: the run's :func:`identity` when the caller took it earlier (the trainer takes it before verl adds its
-            own keys to the configuration); by default it is taken from ``cfg``.
+    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder: half-written checkpoints
+    skipped, the newest complete one verified (docs/internals.md, "The respo-verl trainer and its checkpoints"); with
+    ``trainer.resume_mode=resume_path``, verify the checkpoint it names when it has a marker. ``run``: the run's
+    :func:`identity` when the caller took it earlier (the trainer, before verl adds its own keys to the
+    configuration); by default it is taken from ``cfg``.
 
     Raises:
         CheckpointError: the newest complete checkpoint belongs to another configuration, or one of its files is
@@ -257,24 +250,24 @@ def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> R
             raise CheckpointError(
                 f"DAMAGED CHECKPOINT {path} (trainer.resume_from_path): {problem}; name another checkpoint"
             )
-        return ResumePlan(folder, None)
+        return ResumePlan(None)
     if mode != "auto" or not folder.is_dir():
-        return ResumePlan(folder, None)
+        return ResumePlan(None)
     steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
     if not steps:
-        return ResumePlan(folder, None)
-    warnings = []
+        return ResumePlan(None)
     complete = [(k, p) for k, p in steps if (p / MARKER).is_file()]
     tracker = folder / TRACKER
     tracked = int(tracker.read_text().strip()) if tracker.is_file() else None
+    if not complete and tracked is None:
+        return ResumePlan(None, (f"{folder}: checkpoint folders but no {TRACKER}: starting from scratch",))
     if not complete:
-        if tracked is None:
-            return ResumePlan(folder, None, (f"{folder}: checkpoint folders but no {TRACKER}: starting from scratch",))
-        warnings.append(
+        unmarked = (
             f"{folder}/global_step_{tracked} has no {MARKER} (saved without the respo-verl trainer): its "
             "configuration cannot be checked; resuming from it as verl would"
         )
-        return ResumePlan(folder, folder / f"global_step_{tracked}", tuple(warnings))
+        return ResumePlan(folder / f"global_step_{tracked}", (unmarked,))
+    warnings = []
     step, path = complete[-1]
     for k, p in steps:
         if k > step:
@@ -299,7 +292,7 @@ def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> R
         )
     elif problem:
         raise CheckpointError(f"DAMAGED CHECKPOINT {path}: {problem}; {_way_out(complete, step)}")
-    return ResumePlan(folder, path, tuple(warnings))
+    return ResumePlan(path, tuple(warnings))
 
 
 def _way_out(complete: list[tuple[int, Path]], damaged: int) -> str:

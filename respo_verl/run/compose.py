@@ -75,13 +75,9 @@ def _one_line(err: BaseException) -> str:
 
 
 def compose_job(entry: str, overrides: Sequence[str] = ()):
-    """The job configuration (an OmegaConf DictConfig) of ``entry`` with Hydra ``overrides``.
-
-    Args:
-        entry: ``"respo"`` composes as ``python -m respo_verl.main_ppo`` (primary config ``respo_trainer``,
-            ``algorithm=...`` is a plain override); ``"verl"`` as ``python -m verl.trainer.main_ppo`` (primary
-            config ``ppo_trainer``, our groups added through the search-path plugin as ``+algorithm=...``).
-        overrides: Hydra command-line overrides.
+    """The job configuration (an OmegaConf DictConfig) of ``entry`` (:data:`ENTRY_CONFIGS`: ``"respo"``, where
+    ``algorithm=...`` is a plain override, or ``"verl"``, where our groups come through the search-path plugin as
+    ``+algorithm=...``) with Hydra command-line ``overrides``.
 
     Raises:
         ComposeError: unknown entry, or overrides Hydra rejects (message on one line, no traceback).

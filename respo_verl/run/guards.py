@@ -3,26 +3,10 @@ checks that read a step's metrics (:class:`StepGuards`).
 
 A check is a method of :class:`StepGuards` that reads ``(metrics, step)`` and raises a
 :class:`respo_verl.run.stops.RunStopped` naming the metric, its value, the bound and the step; :attr:`StepGuards.checks`
-lists them in the order they run. The respo-verl trainer (:mod:`respo_verl.run.trainer`) runs them on every step's
-metrics, after verl has computed them and before it logs them. Imports neither verl nor Ray.
-
-Two guards check that the run trains on what its sampler produced, and each can be set to stop, warn or be off
-(:data:`GUARD_MODES`); a guard set to warn prints one line per step it trips in and counts its warnings in the log
-(:data:`WARNINGS_KEY`):
-
-- **sampler agreement** (``run_guard.sampler_agreement``): verl's ``training/rollout_probs_diff_*`` compare, token by
-  token, the sampler's probabilities with the trainer's ``old_log_prob``, computed before the step's first update,
-  with the weights the sampler was given: the on-policy part of every step. A sampler that did not get the
-  trainer's weights, or computes another model, shows here in the step it happens.
-- **routing replay** (``run_guard.routing_replay``, with ``router_replay.mode`` R2 or R3): the route-drift metrics
-  (``actor/routing/...``) must show replayed routes in every pass that replays (R3: ``compute_log_prob`` and the
-  update; R2: the update), and under R3 the share of tokens whose replayed route the trainer's own router rejects at
-  ``compute_log_prob`` (``flip_frac`` of a layer) must stay below a bound. Routes that are all zero count as none
-  (the route-drift engine takes them for verl's padding); routes out of range are refused by the engine itself.
-
-The routes' presence is checked before the agreement and the agreement before the rejected share, so that a stop
-names the first cause: missing routes also make the probabilities disagree, and weights that never reached the
-sampler also move its routes.
+lists them in the order they run. The respo-verl trainer runs them on every step's metrics, after verl has computed
+them and before it logs them. Imports neither verl nor Ray. What each guard reads, its bounds, the order (a stop names
+the first cause) and the two guards that can warn instead (:data:`GUARD_MODES`, counted under :data:`WARNINGS_KEY`):
+docs/cluster.md, "Run guards".
 """
 
 from __future__ import annotations
@@ -177,11 +161,15 @@ class StepGuards:
         mode, verl = self.config.routing_replay, verl_mode(self.replay)
         if mode == "off" or self.replay == "off":
             return
-        passes = {"r3": (LOG_PROB_PASS, "update"), "r2": ("update",)}[self.replay]
+        sampled = "the sampler's routes"
+        sources = {  # the passes that replay, and the routes each replays
+            "r3": {LOG_PROB_PASS: f"{sampled} (rollout.enable_rollout_routing_replay)", "update": sampled},
+            "r2": {"update": "the routes recorded at compute_log_prob"},
+        }[self.replay]
         # The route-drift engine logs a pass's keys only when it counted a replayed token there: with the engine's
         # keys of another pass in the step, a pass without keys replayed none.
         engine_ran = any(key.startswith(f"{ROUTING_PREFIX}/") for key in metrics)
-        for name in passes:
+        for name, source in sources.items():
             key = (
                 f"{ROUTING_PREFIX}/replayed_tokens" if name == "update" else f"{ROUTING_PREFIX}/{name}/replayed_tokens"
             )
@@ -197,11 +185,6 @@ class StepGuards:
                     "unchecked",
                 )
             elif value <= 0:
-                source = (
-                    "the sampler's routes (rollout.enable_rollout_routing_replay)"
-                    if name == LOG_PROB_PASS
-                    else ("the routes recorded at compute_log_prob" if self.replay == "r2" else "the sampler's routes")
-                )
                 self._trip(
                     "routing_replay",
                     mode,

@@ -34,18 +34,11 @@ class ModelCheckError(ValueError):
 
 
 def check_job(cfg: Any, layout: bool = True) -> None:
-    """Raise ValueError with one line naming the key for a job that cannot run.
-
-    Checks the ``respo`` / ``vespo`` kernel hyperparameters (``actor_rollout_ref.actor.policy_loss.<loss>.*``, with
-    the ranges of :mod:`respo_verl.core.config`) where present, the ``run_guard`` node, routing replay
-    (``routing=r2|r3``) with a ``model_engine`` other than ``megatron``, a rollout batch that is not a whole number
-    of mini-batches (the layout rule ``batch-mini`` in its own line: N would not be an integer) and, with ``layout``,
-    the layout rules (:func:`check_layout_rules`).
-
-    Args:
-        cfg: the composed job (``DictConfig``), as ``--cfg job`` prints it.
-        layout: apply the layout rules too (the planner applies them itself, next to its memory model).
-    """
+    """Raise ValueError with one line naming the key for a job (``cfg``, as ``--cfg job`` prints it) that cannot run:
+    kernel hyperparameters out of the ranges of :mod:`respo_verl.core.config`, the ``run_guard`` node, routing replay
+    off Megatron, a rollout batch that is not a whole number of mini-batches (the layout rule ``batch-mini`` on its
+    own), ``ray_kwargs.task_runner_resources`` and, with ``layout`` (the planner applies them itself), the layout
+    rules (:func:`check_layout_rules`)."""
     _check_kernel_hyperparameters(cfg)
     check_guards(cfg)
     _check_routing(cfg)
@@ -73,16 +66,9 @@ def task_runner_resources(cfg: Any) -> dict[str, float]:
 
 def check_layout_rules(cfg: Any) -> None:
     """Raise ValueError with one line that lists, rule by rule, what megatron-core, vLLM or verl would refuse in the
-    job's parallel layout (:func:`respo_verl.layout.rules.check_layout`: grids that do not divide the world, TP or
-    EP that do not divide heads or experts, a rollout replica that does not divide the nodes, ...).
-
-    The rules on how batches split are left to verl's ``validate_config``, which the run's driver calls before Ray
-    starts; ``--cfg job`` still prints verl's default job, which sets no micro-batch size.
-
-    The rules on the model's heads, layers and experts apply where its ``config.json`` is on this machine
-    (:func:`respo_verl.layout.models.local_model_config`: a local folder, or a hub id in the local Hugging Face
-    cache); the others always do. Whether the job fits in memory is ``respo-verl plan``'s estimate, not checked here.
-    """
+    job's parallel layout (:func:`respo_verl.layout.rules.check_layout`). The rules on how batches split are left to
+    verl's ``validate_config`` (``--cfg job`` prints verl's default job, which sets no micro-batch size); those on the
+    model's shape apply where its ``config.json`` is on this machine (:func:`_model_shape`)."""
     violations = check_layout(_model_shape(cfg), layout_from_config(cfg), batch=False)
     if violations:
         raise ValueError(
@@ -92,7 +78,9 @@ def check_layout_rules(cfg: Any) -> None:
 
 
 def _model_shape(cfg: Any):
-    """The model's shape from its ``config.json`` on this machine, or None (unknown, or not a shape the rules read)."""
+    """The model's shape from its ``config.json`` on this machine (a local folder, or a hub id in the local Hugging
+    Face cache: :func:`respo_verl.layout.models.local_model_config`), or None (unknown, or not a shape the rules
+    read)."""
     try:
         raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
         config = local_model_config(str(raw)) if raw is not None else None
@@ -102,13 +90,9 @@ def _model_shape(cfg: Any):
 
 
 def check_model(cfg: Any) -> None:
-    """Raise :class:`ModelCheckError` with one line for a model the run cannot load. It reads the file system, so the
-    entry point runs it before a run and not for ``--cfg job``, which may be composed where the model is not.
-
-    Checks ``actor_rollout_ref.model.path`` written as a local path (``/``, ``~`` or ``.`` first) that does not
-    exist (a hub id such as ``Qwen/Qwen3-1.7B`` is left to verl). Routing replay on a local dense model is the layout
-    rule ``router-replay`` of :func:`check_job`.
-    """
+    """Raise :class:`ModelCheckError` for ``actor_rollout_ref.model.path`` written as a local path (``/``, ``~`` or
+    ``.`` first) that does not exist (a hub id is left to verl). It reads the file system, so the entry point runs it
+    before a run and not for ``--cfg job``, which may be composed where the model is not."""
     raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
     if raw is not None and str(raw).startswith(("/", "~", ".")) and not Path(str(raw)).expanduser().exists():
         raise ModelCheckError(f"{MODEL_PATH}={raw}: no such file or directory")

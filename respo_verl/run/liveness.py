@@ -1,10 +1,8 @@
 """Inside the trainer's Ray actor: are the actors a step waits on alive, and did its samples progress?
 
-While verl 0.9.1's replay buffer waits for a step's samples (it polls with no timeout), :class:`SampleWait`, run
-after each poll (:func:`watch_replay_buffer`), asks the actors the step waits on whether they live
-(:func:`check_actors_alive`: agent-loop and reward workers, rollout servers, their load balancer, and each server's
-inference engine) and tells the phase record (:class:`respo_verl.run.watchdog.PhaseBoard`) when a sample finished.
-It measures no time: the watchdog, in the driver, holds the record against its bounds.
+:class:`SampleWait` runs after each poll of verl 0.9.1's replay buffer (:func:`watch_replay_buffer`); it measures
+no time: the watchdog, in the driver, holds the phase record against its bounds. The kinds watched and how a death
+shows: docs/internals.md, "A process the step waits on that dies".
 """
 
 from __future__ import annotations
@@ -37,12 +35,9 @@ BETWEEN_PHASES = "the trainer (TaskRunner) and TransferQueue"
 
 
 def watched_actors(trainer: Any) -> list[tuple[str, list]]:
-    """The Ray actors a step of verl 0.9.1's V1 trainer waits on while it waits for its samples, by role: the
-    agent-loop workers (they run the rollouts), the reward-loop workers (the agent loop asks them for every
-    sample's reward), the rollout servers and their load balancer (the agent loop asks them for every token). A
-    role the run does not have is left out. The worker groups (actor, reference, critic) and TransferQueue are not
-    here: the step calls them with ``ray.get``, which raises Ray's ``ActorDiedError`` for a dead one
-    (:func:`respo_verl.run.stops.stop_for_error`)."""
+    """The Ray actors a step of verl 0.9.1's V1 trainer waits on while it waits for its samples, by role (those the
+    run has). The worker groups and TransferQueue are not here: the step's ``ray.get`` of them raises Ray's
+    ``ActorDiedError`` for a dead one (:func:`respo_verl.run.stops.stop_for_error`)."""
     agent_loop = getattr(trainer, "agent_loop_manager", None)
     reward_loop = getattr(trainer, "reward_loop_manager", None)
     servers = getattr(trainer, "llm_server_manager", None)

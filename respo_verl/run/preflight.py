@@ -80,19 +80,11 @@ def check_ray_nodes(
     requirements: list[Requirement] | tuple[Requirement, ...] = (),
     folders: SharedFolders | None = None,
 ) -> list[dict]:
-    """Run :func:`_probe` once on every alive Ray node; raise RuntimeError naming each node that fails.
-
-    A node fails when it does not see ``folders`` (:func:`respo_verl.run.nodes.shared_folders` of the job: the
-    driver's marker in the checkpoint root, removed afterwards, and the data files); when the probe cannot run there
-    (a node without respo_verl cannot even load this module) or does not answer within ``timeout_s``; when our
-    registrations are missing there; or when one of ``requirements``
-    (:func:`respo_verl.run.requirements.job_requirements`) does not import there or the node shows fewer CUDA GPUs
-    than the job asks for, one line per missing piece: ``node <address> (<host>): <package>: <why>; needed by
-    <config key>``.
-
-    Returns:
-        The probe result of every node.
-    """
+    """Run :func:`_probe` once on every alive Ray node and return its results; raise RuntimeError naming each node
+    that does not see ``folders`` (:func:`respo_verl.run.nodes.shared_folders`: the driver's marker, removed
+    afterwards, and the data files), where the probe cannot run or does not answer within ``timeout_s``, where our
+    registrations are missing, or where one of ``requirements`` is missing, one line per missing piece: ``node
+    <address> (<host>): <package>: <why>; needed by <config key>``."""
     probe = ray.remote(num_cpus=0)(_probe)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     shipped = tuple(requirements)

@@ -1,20 +1,11 @@
 """Ray's processes of a local cluster end with the driver that started them, however the driver ends.
 
-``ray.init()`` without an address starts a Ray cluster of its own inside the driver (GCS, raylet, dashboard,
-monitors), and the raylet starts the agents and the workers (verl's TaskRunner, FSDP/Megatron workers, rollout
-servers and whatever they start, vLLM's engine processes among them). A driver that ends normally stops them
-(``ray.shutdown``); one killed by SIGKILL (an out-of-memory kill, a pre-emption past its grace time) leaves them to
-Ray's fate sharing, which ends GCS and raylet at once, but Ray's agents lived on for about a minute after such a kill
-(measured: ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``, 40-70 s), and any process whose parent had not
-ended with it stays until it notices.
-
 :func:`watch_driver` starts the reaper, ``python -m respo_verl.run.reaper``, in a session of its own (a kill of the
 driver's process group does not reach it). It records the driver's process tree while the driver lives (:func:`watch`)
-and stops what is left once the driver has ended (:func:`reap`), within :data:`REAP_BOUND_S`. It never touches a
-cluster the driver connected to through an address (the entry point does not start it then), nor anything outside the
-driver's process tree and the session's folder, nor a process of another user.
-
-Linux only (the terminal's foreground group is read from ``/proc``).
+and stops what is left once the driver has ended (:func:`reap`), within :data:`REAP_BOUND_S`; never a cluster the
+driver connected to through an address, anything outside the driver's process tree and the session's folder, or a
+process of another user. Linux only (the terminal's foreground group is read from ``/proc``). Why (what Ray's own
+fate sharing leaves behind), and the tests: docs/internals.md, "The respo-verl trainer and its checkpoints".
 """
 
 from __future__ import annotations

@@ -201,11 +201,8 @@ def _gpu_error(req: Requirement) -> str | None:
 
 
 def check_missing(reqs: list[Requirement]) -> list[str]:
-    """Import each requirement in this process; one line per missing piece, naming the package and the key.
-
-    Returns:
-        ``"<package>: <why not>; needed by <key>"`` for each requirement that is not satisfied (empty: all are).
-    """
+    """Import each requirement in this process: ``"<package>: <why not>; needed by <key>"`` for each one that is not
+    satisfied (empty: all are)."""
     lines = []
     for req in reqs:
         if req.gpus:

@@ -1,5 +1,8 @@
-"""The respo-verl trainer class: verl 0.9.1's ``PPOTrainerSync`` with the additions that
-:mod:`respo_verl.run.trainer` describes. Imports verl: only the registration
+"""The respo-verl trainer class: verl 0.9.1's ``PPOTrainerSync`` with checkpoints that know their run
+(:mod:`respo_verl.run.checkpoint`), a log that keeps every step, the stop on request, samples in the data loader's
+order, the guards (:mod:`respo_verl.run.guards`; a guard's stop logs its step first, marked ``respo_verl/stopped`` =
+1), the phase record of the driver's watchdog and the liveness of the actors a step waits on. Every stop is a
+:class:`respo_verl.run.stops.RunStopped`. Imports verl: only the registration
 (:data:`respo_verl.run.trainer.REGISTRATION`) imports this module, once verl has imported its V1 trainers.
 
 What it overrides of verl 0.9.1 (read against ``verl/trainer/ppo/v1/trainer_base.py`` and ``trainer_sync.py`` of
@@ -52,7 +55,7 @@ DAPO_COUNTS_KEY = "_dapo_filtered_reward_counts"
 
 
 class RespoTrainer(PPOTrainerSync):
-    """verl's ``PPOTrainerSync`` with the additions of :mod:`respo_verl.run.trainer`."""
+    """verl's ``PPOTrainerSync`` with the additions the module docstring lists."""
 
     def __init__(self, config, *args, **kwargs):
         guard = check_guards(config)

@@ -73,8 +73,7 @@ class ActorDied(RunStopped):
 
 
 class StepStalled(RunStopped):
-    """Generation or validation finished no sample for the watchdog's bound; the message names the step, what it
-    waited for, the bound."""
+    """Generation or validation finished no sample for the watchdog's bound (the message names the step and it)."""
 
     exit_status = EXIT_STALLED
     what = "watchdog"
@@ -88,9 +87,8 @@ class StalledAfterStop(StepStalled):
 
 
 class PhaseStalled(RunStopped):
-    """A phase of a step other than generation and validation (old log-probs, the update, the weight sync, the
-    save, ...) neither ended nor made progress within the watchdog's phase deadline; the message names the step, the
-    phase, the actors it waits on and the bound."""
+    """Any other phase of a step neither ended nor made progress within the watchdog's phase deadline; the message
+    names the step, the phase, the actors it waits on and the bound."""
 
     exit_status = EXIT_PHASE_STALLED
     what = "watchdog, phase deadline"
@@ -137,22 +135,25 @@ def dead_actor(exc: BaseException) -> tuple[str | None, str, str]:
     return (actor_role(short) if short else None), where, _one_line(detail)
 
 
-def actor_died_cause(exc: BaseException) -> tuple[str, str]:
-    """(the dead actor by role, class and pid, e.g. ``update worker (WorkerDict, pid 5)``; Ray's reason in one
-    line) from a Ray ``ActorDiedError``'s text."""
-    role, where, reason = dead_actor(exc)
-    return (f"{role} ({where})" if role else where), reason
-
-
 def _one_line(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_CAUSE_CHARS else text[: MAX_CAUSE_CHARS - 3] + "..."
 
 
-def died_actor_error(chain: list[BaseException]) -> BaseException | None:
-    """The innermost Ray ``ActorDiedError`` of ``chain`` (:func:`causes`), by class name: this module imports no
-    Ray."""
-    return next((e for e in reversed(chain) if any(c.__name__ == "ActorDiedError" for c in type(e).__mro__)), None)
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _died(chain: list[BaseException]) -> tuple[str, str] | None:
+    """The innermost Ray ``ActorDiedError`` of ``chain`` (:func:`causes`; found by class name: this module imports no
+    Ray) as (the dead actor by role, class and pid, e.g. ``update worker (WorkerDict, pid 5)``; Ray's reason in one
+    line), or None."""
+    died = next((e for e in reversed(chain) if any(c.__name__ == "ActorDiedError" for c in type(e).__mro__)), None)
+    if died is None:
+        return None
+    role, where, reason = dead_actor(died)
+    return (f"{role} ({where})" if role else where), reason
 
 
 def stop_for_error(exc: BaseException, step: int) -> RunStopped | None:
@@ -160,15 +161,11 @@ def stop_for_error(exc: BaseException, step: int) -> RunStopped | None:
     actor (:class:`ActorDied`, its class, pid and Ray's cause), or non-finite values refused by the loss
     (``FloatingPointError``, :class:`NonFinite`); None for any other error."""
     chain = causes(exc)
-    died = died_actor_error(chain)
-    if died is not None:
-        who, reason = actor_died_cause(died)
+    if died := _died(chain):
+        who, reason = died
         return ActorDied(f"step {step}: {who} has died while the step waited for it: {reason}")
-    for inner in reversed(chain):
-        if isinstance(inner, FloatingPointError):
-            first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
-            return NonFinite(f"step {step}: FloatingPointError: {first}")
-    return None
+    inner = next((e for e in reversed(chain) if isinstance(e, FloatingPointError)), None)
+    return None if inner is None else NonFinite(f"step {step}: FloatingPointError: {_first_line(inner)}")
 
 
 def stop_of(exc: BaseException, prog: str) -> Stop:
@@ -186,14 +183,12 @@ def stop_of(exc: BaseException, prog: str) -> Stop:
             return Stop(
                 f"{prog}: stopped ({inner.what}, exit {inner.exit_status}): {_one_line(str(inner))}", inner.exit_status
             )
-    died = died_actor_error(chain)
-    if died is not None:
-        who, reason = actor_died_cause(died)
+    if died := _died(chain):
+        who, reason = died
         return Stop(f"{prog}: stopped (dead actor, exit {EXIT_ACTOR_DIED}): {who} died: {reason}", EXIT_ACTOR_DIED)
     innermost = chain[-1]
-    first = str(innermost).strip().splitlines()[0] if str(innermost).strip() else ""
     return Stop(
-        f"{prog}: stopped (error, exit {EXIT_ERROR}): {type(innermost).__name__}: {_one_line(first)} "
+        f"{prog}: stopped (error, exit {EXIT_ERROR}): {type(innermost).__name__}: {_one_line(_first_line(innermost))} "
         "(its traceback follows)",
         EXIT_ERROR,
     )

@@ -2,23 +2,8 @@
 
 Registered through verl's public trainer registry as ``respo_sync`` (:data:`REGISTRATION`, applied by the plugin,
 which waits until verl imports its V1 trainers) and selected by the algorithm presets with verl's own
-``trainer.v1.trainer_mode``. The class, :class:`respo_verl.run.respo_trainer.RespoTrainer`, adds to verl's
-``PPOTrainerSync``:
-
-- **checkpoints that know their run**: a marker with the run's fingerprint (:mod:`respo_verl.run.checkpoint`),
-  written once the step's line is logged and checked before a resume;
-- **a log that keeps every step**: a resumed run appends to verl's file log
-  (:data:`respo_verl.patches.verl_0_9_1.FILE_LOGGER_APPEND`);
-- **a stop on request**: on SIGTERM the driver asks, through Ray; the trainer saves at the end of its step and ends;
-- **samples in the data loader's order** (:func:`respo_verl.run.hooks.in_prompt_order`), so that a step's batch does
-  not depend on the rollouts' timing and runs with verl's ``rollout.full_determinism`` agree to the last bit;
-- **guards** on every step's metrics (:mod:`respo_verl.run.guards`): a guard's stop logs its step first, marked
-  ``respo_verl/stopped`` = 1;
-- **the phase record** the driver's watchdog bounds (:mod:`respo_verl.run.watchdog`), and the liveness of the actors
-  a step waits on (:mod:`respo_verl.run.liveness`).
-
-Every stop is a :class:`respo_verl.run.stops.RunStopped`, whose class gives the entry point its one line and exit
-status.
+``trainer.v1.trainer_mode``. The class and what it adds to verl's ``PPOTrainerSync``:
+:mod:`respo_verl.run.respo_trainer`; how it works: docs/internals.md, "The respo-verl trainer and its checkpoints".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The watchdog: the driver's one watch over the phases of a run's steps, and the SIGTERM stop request.
 
-The trainer, in verl's TaskRunner actor, keeps a phase record (:class:`PhaseBoard`): which phase of which step runs,
-what it waits on, and a count that grows with each sign of progress (a sample finished, the checkpoint being saved
-grew). The driver's :class:`Watchdog` reads it every :data:`PHASE_CHECK_INTERVAL_S` and holds it against one bound
-per phase (``run_guard``, :class:`respo_verl.run.guards.GuardConfig`): generation and validation against
-``max_stall_s`` (exit 5), every other phase (old log-probs, the update, the weight sync, the save, ...) against
-``max_phase_s`` (exit 7), and any phase once SIGTERM has asked for a stop against ``max_stall_after_stop_s``
-(exit 6). It measures with its own clock and asks no actor, so a frozen worker cannot hold it up.
-
-The record and the stop request live in the Ray cluster's key-value store (:class:`Records`, under the job's id),
-which every node of the job reaches: the watchdog and the stop work whichever nodes the driver and the TaskRunner
-run on, with or without a shared folder.
+The trainer keeps a phase record (:class:`PhaseBoard`) in the Ray cluster's key-value store (:class:`Records`, under
+the job's id); the driver's :class:`Watchdog` holds it against one bound per phase (``run_guard``,
+:class:`respo_verl.run.guards.GuardConfig`) by its own clock and asks no actor. How, and why these bounds:
+docs/internals.md, "The watchdog: a step or a phase that makes no progress".
 """
 
 from __future__ import annotations
@@ -22,6 +15,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import ray
+from ray.experimental import internal_kv
 
 from respo_verl.run.guards import GuardConfig
 from respo_verl.run.liveness import BETWEEN_PHASES
@@ -42,25 +38,17 @@ class Records:
     the calling process: the driver and the actors it starts share it). Needs a connected Ray."""
 
     def __init__(self, job_id: str | None = None) -> None:
-        import ray
-
         self.prefix = f"{job_id or ray.get_runtime_context().get_job_id()}/"
 
     def put(self, name: str, value: dict[str, Any]) -> None:
-        from ray.experimental.internal_kv import _internal_kv_put
-
-        _internal_kv_put(self.prefix + name, json.dumps(value), overwrite=True, namespace=RECORD_NAMESPACE)
+        internal_kv._internal_kv_put(self.prefix + name, json.dumps(value), overwrite=True, namespace=RECORD_NAMESPACE)
 
     def get(self, name: str) -> dict[str, Any] | None:
-        from ray.experimental.internal_kv import _internal_kv_get
-
-        raw = _internal_kv_get(self.prefix + name, namespace=RECORD_NAMESPACE)
+        raw = internal_kv._internal_kv_get(self.prefix + name, namespace=RECORD_NAMESPACE)
         return None if raw is None else json.loads(raw)
 
     def delete(self, name: str) -> None:
-        from ray.experimental.internal_kv import _internal_kv_del
-
-        _internal_kv_del(self.prefix + name, namespace=RECORD_NAMESPACE)
+        internal_kv._internal_kv_del(self.prefix + name, namespace=RECORD_NAMESPACE)
 
 
 def folder_bytes(folder: str | None) -> int:
@@ -162,17 +150,13 @@ class Watchdog:
     ) -> None:
         self.records, self.guard, self.clock, self.trace = records, guard, clock, trace
         self.stopped: RunStopped | None = None
+        # the step of the last record read that named one (a record of the trainer's end names none), or None
+        self.step: int | None = None
         self._record: dict[str, Any] | None = None
-        self._step: int | None = None
         self._changed_at = clock()
         self._stop_at: float | None = None
         self._stop_sent = False
         self._wake, self._done = threading.Event(), threading.Event()
-
-    @property
-    def step(self) -> int | None:
-        """The step of the last record read that named one (a record of the trainer's end names none), or None."""
-        return self._step
 
     def request_stop(self) -> None:
         """SIGTERM: ask the trainer to save at the end of its step (sent from the watchdog's thread: a signal
@@ -194,7 +178,7 @@ class Watchdog:
                 with open(self.trace, "a") as out:
                     out.write(json.dumps({"at": now, **record}) + "\n")
         self._record = record
-        self._step = (record or {}).get("step", self._step)
+        self.step = (record or {}).get("step", self.step)
         if record is None or not record.get("watched"):
             return None
         if self._stop_at is not None:
