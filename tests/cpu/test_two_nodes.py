@@ -191,7 +191,7 @@ def test_a_node_that_does_not_see_the_marker_or_the_data_says_what_it_misses(tmp
 
 # --- the cluster and its runs (slow) ------------------------------------------------------------------------------
 
-RUN = "cpu-moe-respo-n2-s0"  # the sweep's one run: <model>-<algorithm>-n<N>-s<seed>
+RUN = "cpu-moe-respo-n2-s0-r3"  # the sweep's one run: <model>-<algorithm>-n<N>-s<seed>[-<routing>]
 STEPS, KILL_AFTER_STEP = 4, 3  # a checkpoint every 2 steps: the lost run resumes from step 2 and redoes step 3
 LOST_WITHIN_S = 60  # from the SIGKILL of the worker to the job's end
 TIMEOUT_S = 1200
