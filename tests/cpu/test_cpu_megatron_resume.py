@@ -3,10 +3,10 @@ model_engine=megatron routing=r2`` on the kit's tiny Qwen3-MoE, two worker proce
 
 One uninterrupted run and its relaunch from the checkpoint of step 2 (two verl drivers) show R2's route drift, the
 run guard's stop on a failed reward, megatron-core's dist checkpointing with expert-parallel shards, mbridge's HF
-export (the experts gathered back for the rollout) and verl's resume. Each is a real subprocess started by
-tests/support/cpu_runs.py (Ray, TransferQueue, the agent loop, the hf_cpu rollout, verl's
-``MegatronEngineWithLMHead`` with megatron-core on gloo, verl's naive weight sync, router replay and file logger).
-Apart from tests/cpu/test_cpu_vllm.py so that the two heavy files run side by side on two test workers.
+export (the experts gathered back for the rollout), verl's resume, and the non-finite stop on the Megatron engine.
+Each is a real subprocess started by tests/support/cpu_runs.py (Ray, TransferQueue, the agent loop, the hf_cpu
+rollout, verl's ``MegatronEngineWithLMHead`` with megatron-core on gloo, verl's naive weight sync, router replay and
+file logger).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 from support import cpu_runs
 
 from respo_verl.cpu.kit.build import KitSpec, build_kit
+from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
 from respo_verl.run.checkpoint import TRACKER
 from respo_verl.run.stops import EXIT_GUARD
 from respo_verl.tools.runs.logs import STOPPED_KEY, read_log
@@ -61,9 +62,18 @@ def moe_kit():
     return build_kit(KitSpec(moe=True), progress=False)
 
 
-def _launch(folder) -> tuple[str, list[dict]]:
+# The relaunch's stop in step 4: the update's loss receives NaN log-probabilities (tests/support/cpu_modules/
+# inject_nonfinite.py) before the run guard could see the failed reward.
+NONFINITE_STOP = (
+    rf"\(non-finite data, exit {EXIT_GUARD}\): step {FAILING_STEP}: FloatingPointError: respo loss received "
+    r"non-finite values on valid response tokens.*"
+)
+
+
+def _launch(folder, *extra: str, stop: str | None = None) -> tuple[str, list[dict]]:
     """4 steps of R2 at N = 2 with expert parallel 2, a checkpoint every second step, verl's full determinism, and a
-    reward function that raises in step 4 for one prompt's response; the run guard stops the run there (exit 3)."""
+    reward function that raises in step 4 for one prompt's response; the run guard stops the run there (exit 3),
+    or ``stop`` does (the pattern of its line)."""
     overrides = [
         *MEGATRON_JOB,
         *EXPERT_PARALLEL_2,
@@ -78,15 +88,16 @@ def _launch(folder) -> tuple[str, list[dict]]:
         f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'raising_reward.py'}",
         cpu_runs.after_steps("RAISING_REWARD_AFTER", folder, FAILING_STEP - 1),
         f"+ray_kwargs.ray_init.runtime_env.env_vars.RAISING_REWARD_INDEX='{FAILING_PROMPT}'",
+        *extra,
     ]
     rc, out = cpu_runs.launch(folder, cpu_runs.main_ppo(*overrides), timeout=1500)
     assert rc == EXIT_GUARD, out[-5000:]
     assert "raising_reward: the test's reward function fails for this response" in out, out[-4000:]
-    cpu_runs.stop_line(
-        out,
+    guard = (
         rf"\(run guard, exit {EXIT_GUARD}\): step {FAILING_STEP}: respo_verl/failed_share=.* > "
-        r"run_guard.max_failed_share=0.0",
+        r"run_guard.max_failed_share=0.0"
     )
+    cpu_runs.stop_line(out, stop or guard)
     return out, cpu_runs.log_lines(folder)
 
 
@@ -111,12 +122,16 @@ def test_megatron_r2_with_expert_parallel_2_drifts_stops_on_a_failed_reward_and_
     The resume: megatron-core's dist checkpointing saves each process's expert shards on CPU (its
     torch.cuda.synchronize and the CUDA RNG tracker's state are handled by the CPU patch); a run stopped after its
     checkpoint of step 2 and relaunched resumes from it, loading the model, the optimizer and the RNG states (verl's
-    own log lines say so), appends to the log, goes on replaying routes, and logs steps 3 and 4, the stop included,
-    exactly as the uninterrupted run does (verl's rollout.full_determinism): step 4's metrics come from weights that
-    the resumed optimizer state updated. The stopped run is the uninterrupted run itself, taken back to what it had
+    own log lines say so), appends to the log, goes on replaying routes, and logs step 3 exactly as the uninterrupted
+    run does (verl's rollout.full_determinism): step 3's second mini-batch runs on weights that the resumed optimizer
+    state updated. The stopped run is the uninterrupted run itself, taken back to what it had
     on disk right after its checkpoint of step 2 (that checkpoint, the tracker naming step 2, the log's lines of
     steps 1 and 2): one Megatron run fewer than a separate 2-step run, and the same files such a run leaves (the FSDP
     tests in test_cpu_resume.py stop real runs with SIGTERM and SIGKILL).
+
+    The non-finite stop: in the relaunch's step 4 the registered loss receives NaN log-probabilities
+    (tests/support/cpu_modules/inject_nonfinite.py), refuses them, and the run stops with one line naming the step and
+    the loss's error, exit 3, no traceback after it, and no line of step 4 in the log (the run did not train on).
     """
     run = tmp_path / "run"
     out, reference = _launch(run)
@@ -157,20 +172,26 @@ def test_megatron_r2_with_expert_parallel_2_drifts_stops_on_a_failed_reward_and_
     log = run / "log.jsonl"
     log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:2]))
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
-    out, lines = _launch(run)
+    # The relaunch also gets NaN log-probabilities in step 4's update: the non-finite stop on the Megatron engine.
+    nonfinite = (
+        *cpu_runs.extra_modules("inject_nonfinite", preset=(CPU_MODULE, PLUGIN_MODULE)),
+        cpu_runs.after_steps("INJECT_NONFINITE_AFTER", run, FAILING_STEP - 1),
+    )
+    out, lines = _launch(run, *nonfinite, stop=NONFINITE_STOP)
     assert "Resuming from" in out and "global_step_2" in out, out[-5000:]
     # The model comes back through the bridge's HF export (verl's choice with mbridge), or as its dist checkpoint.
     assert "Loaded HF model checkpoint" in out or "Loaded sharded model checkpoint" in out, out[-5000:]
     for what in ("Loaded optimizer checkpoint", "Loaded RNG states"):
         assert what in out, what
-    assert [line.get("step", line.get("event")) for line in lines] == [1, 2, "resume", 3, 4]
+    # no line of step 4: the run did not train on
+    assert [line.get("step", line.get("event")) for line in lines] == [1, 2, "resume", 3]
     assert lines[-1]["data"]["actor/routing/replayed_tokens"] > 0
     resumed = {line["step"]: line["data"] for line in lines if "step" in line}
     # The comparison tests the restored weights and optimizer state only if the run trains after the checkpoint.
     assert any(line["data"]["actor/grad_norm"] > 0 for line in reference if line["step"] > 2), [
         line["data"]["actor/grad_norm"] for line in reference
     ]
-    for line in reference:
+    for line in reference[: FAILING_STEP - 1]:
         step, want = line["step"], line["data"]
         got = resumed[step]
         keys = {k for k in want if not any(part in k for part in _UNTIMED)}

@@ -1,19 +1,21 @@
 """verl's own vLLM server (``vLLMHttpServer``, vLLM 0.24.0 through PyPI's CPU build) as the sampler of a CPU job.
 
-Four real ``python -m respo_verl.main_ppo ... actor_rollout_ref.rollout.name=vllm`` runs, started by
+Three real ``python -m respo_verl.main_ppo ... actor_rollout_ref.rollout.name=vllm`` runs, started by
 tests/support/cpu_runs.py, each a module-scoped fixture read by the tests below:
 
 - FSDP (``+device=cpu``) at N = 4: three steps in which sampler and trainer agree to 1e-4 (fp32), with updates;
   then vLLM's engine core process is killed, and the run stops within the bounds, its line naming the vLLM rollout
   server (a dead engine core leaves the server's actor alive, and hangs a weight sync rather than raising).
-- Megatron with R3 (``+device=cpu_megatron routing=r3``, the tiny Qwen3-MoE) at N = 4: three steps with the same
-  agreement, in which every step replays vLLM's routes in both passes, each of them the trainer's router's own top-k
-  at ``compute_log_prob``; in step 4 the loss receives NaN log-probabilities and the run stops with the loss's error
-  (the non-finite stop on the Megatron engine).
-- The Megatron R3 run with two faults, one run each (tests/support/cpu_modules/): the trainer sends the experts in
+- Megatron with R3 (``+device=cpu_megatron routing=r3``, the tiny Qwen3-MoE) with two faults, one run each
+  (tests/support/cpu_modules/): the trainer sends the experts in
   transformers' fused layout, which vLLM's loader skips without a word (the weight check fails on its log, and the
   sampler-agreement guard stops it in step 2); vLLM's routes come back all zero (the routing-replay guard stops it
   in step 1). Both faults once trained to the end with exit 0.
+
+The healthy Megatron R3 run with vLLM (every step replays vLLM's routes in both passes, each of them the trainer's
+router's own top-k at ``compute_log_prob``, sampler and trainer agree) is the two-node run of
+tests/cpu/test_two_nodes.py, expert parallel 2 across two Ray nodes; the non-finite stop on the Megatron engine is
+the relaunch of tests/cpu/test_cpu_megatron_resume.py.
 
 The kits' models have head size 32 (vLLM's CPU attention takes 32 and up). vLLM's engine starts in about 35 s per
 run; the faulted runs end early.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from support import cpu_runs, procs
-from support.trainer_checks import RESPO_KEYS, SYNCED_LOG_PROB_GAP, assert_trains, assert_weights_synced
+from support.trainer_checks import SYNCED_LOG_PROB_GAP, assert_trains, assert_weights_synced
 
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
 from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_GUARD, EXIT_PHASE_STALLED, PhaseStalled
@@ -41,11 +43,6 @@ MEGATRON_R3 = ("model_engine=megatron", "+device=cpu_megatron", "routing=r3")
 # after that); 1e-4 keeps both signs of advantage through the run, so that every step follows a real update.
 MEGATRON_LR = "actor_rollout_ref.actor.optim.lr=1e-4"
 TIMEOUT_S = 900
-# The route-drift engine's keys of both passes (docs/routing-replay.md).
-DRIFT = ("flip_frac", "overlap", "prob_mass_delta", "any_layer_flip_frac", "replayed_tokens")
-LAYERS = ("flip_frac/layer_0", "flip_frac/layer_1")
-ROUTE_IDS_PER_TOKEN = 2 * 2  # the kit's MoE: 2 layers, top-2
-ROUTE_DRIFT_KEYS = tuple(f"actor/routing/{p}{k}" for p in ("", "compute_log_prob/") for k in (*DRIFT, *LAYERS))
 
 
 def _argv(*overrides: str) -> list[str]:
@@ -100,16 +97,6 @@ MEGATRON_MODULES = (CPU_MODULE, PLUGIN_MODULE)
 
 
 @pytest.fixture(scope="module")
-def r3_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm-r3")
-    nonfinite = (
-        *cpu_runs.extra_modules("inject_nonfinite", preset=MEGATRON_MODULES),
-        cpu_runs.after_steps("INJECT_NONFINITE_AFTER", folder, HEALTHY_STEPS),
-    )
-    return _run(folder, *MEGATRON_R3, MEGATRON_LR, *nonfinite)
-
-
-@pytest.fixture(scope="module")
 def fused_experts_run(tmp_path_factory):
     return _run(
         tmp_path_factory.mktemp("vllm-fused"),
@@ -134,11 +121,10 @@ def _updated_before(lines: list[dict]) -> list[int]:
     return [step for step in sorted(grads) if grads.get(step - 1, 0.0) > 0]
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "megatron_r3"])
-def test_vllm_samples_with_the_trainers_weights_after_every_update(engine, request):
+def test_vllm_samples_with_the_trainers_weights_after_every_update(fsdp_run):
     """fp32 sampler and trainer agree to 1e-4 at every step of a run that updates (the FSDP run's steps before its
     engine core is killed)."""
-    lines = request.getfixturevalue({"fsdp": "fsdp_run", "megatron_r3": "r3_run"}[engine])["lines"]
+    lines = fsdp_run["lines"]
     assert [line["step"] for line in lines] == list(range(1, HEALTHY_STEPS + 1)), lines
     assert_trains(lines)
     assert _updated_before(lines), "no step followed an update: the weight sync was never put to the test"
@@ -147,43 +133,10 @@ def test_vllm_samples_with_the_trainers_weights_after_every_update(engine, reque
         assert line["data"]["training/rollout_probs_diff_valid"] == 1.0
 
 
-def test_vllms_routes_are_replayed_in_both_passes_and_are_the_trainers_own(r3_run):
-    """Item 5: every step replays vLLM's routes at compute_log_prob and in the update, and at compute_log_prob (the
-    weights vLLM sampled with) the trainer's router chooses every replayed route itself."""
-    for line in r3_run["lines"]:
-        data = line["data"]
-        missing = [key for key in (*RESPO_KEYS, *ROUTE_DRIFT_KEYS) if key not in data]
-        assert not missing, (line["step"], missing)
-        assert data["actor/routing/compute_log_prob/replayed_tokens"] > 0, (line["step"], data)
-        assert data["actor/routing/replayed_tokens"] > 0, (line["step"], data)
-        flips = {k: v for k, v in data.items() if k.startswith("actor/routing/compute_log_prob/flip_frac/layer_")}
-        assert len(flips) == 2 and set(flips.values()) == {0.0}, (line["step"], flips)
-        assert data["actor/routing/compute_log_prob/any_layer_flip_frac"] == 0.0
-        # vLLM's routes reached the trainer as uint8 (respo_verl/patches/verl_0_9_1_routes.py), each sample at its
-        # own length: one byte per expert id of each prompt and response token, and no more
-        tokens = data["prompt_length/mean"] + data["response_length/mean"]
-        per_sample = data["actor/routing/compute_log_prob/route_bytes_per_sample"]
-        assert per_sample == pytest.approx(tokens * ROUTE_IDS_PER_TOKEN), (line["step"], per_sample, tokens)
-
-
-def test_the_healthy_runs_pass_the_guards(fsdp_run, r3_run):
-    for run in (fsdp_run, r3_run):
-        assert "run_guard.max_probs" not in run["out"] and "run_guard.routing" not in run["out"], run["out"][-3000:]
-        assert all("respo_verl/guard_warnings" not in line["data"] for line in run["lines"])
-        assert all("respo_verl/stopped" not in line["data"] for line in run["lines"])
-
-
-def test_nan_log_probs_stop_the_megatron_run_with_the_losss_error(r3_run):
-    """Step 4 of the R3 run: the registered loss receives NaN log-probabilities (tests/support/cpu_modules/
-    inject_nonfinite.py), refuses them, and the run stops with one line naming the step and the loss's error, exit 3,
-    no traceback after it, and no line of step 4 in the log (the run did not train on)."""
-    assert r3_run["rc"] == EXIT_GUARD, r3_run["out"][-4000:]
-    cpu_runs.stop_line(
-        r3_run["out"],
-        rf"\(non-finite data, exit 3\): step {HEALTHY_STEPS + 1}: FloatingPointError: respo loss received non-finite "
-        r"values on valid response tokens.*",
-    )
-    assert [line["step"] for line in r3_run["lines"]] == list(range(1, HEALTHY_STEPS + 1))
+def test_the_healthy_run_passes_the_guards(fsdp_run):
+    assert "run_guard.max_probs" not in fsdp_run["out"], fsdp_run["out"][-3000:]
+    assert all("respo_verl/guard_warnings" not in line["data"] for line in fsdp_run["lines"])
+    assert all("respo_verl/stopped" not in line["data"] for line in fsdp_run["lines"])
 
 
 def test_a_dead_vllm_engine_core_stops_the_run_naming_the_vllm_server(fsdp_run):

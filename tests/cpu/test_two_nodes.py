@@ -34,7 +34,7 @@ import psutil
 import pytest
 from support import cpu_runs, ray_auth
 from support.ranks import free_port
-from support.trainer_checks import assert_weights_synced
+from support.trainer_checks import RESPO_KEYS, assert_trains, assert_weights_synced
 
 from respo_verl.run.checkpoint import TRACKER
 from respo_verl.run.nodes import MARKER, SharedFolders, unseen
@@ -191,7 +191,7 @@ def test_a_node_that_does_not_see_the_marker_or_the_data_says_what_it_misses(tmp
 
 # --- the cluster and its runs (slow) ------------------------------------------------------------------------------
 
-RUN = "cpu-moe-respo-n2-s0"  # the sweep's one run: <model>-<algorithm>-n<N>-s<seed>
+RUN = "cpu-moe-respo-n2-s0-r3"  # the sweep's one run: <model>-<algorithm>-n<N>-s<seed>[-<routing>]
 STEPS, KILL_AFTER_STEP = 4, 3  # a checkpoint every 2 steps: the lost run resumes from step 2 and redoes step 3
 LOST_WITHIN_S = 60  # from the SIGKILL of the worker to the job's end
 TIMEOUT_S = 1200
@@ -217,6 +217,11 @@ TWO_NODE_JOB = (
 # Every role of the job is an actor process: none may be left on the surviving node once the job has ended.
 JOB_PROCESSES = ("ray::WorkerDict", "ray::TaskRunner", "ray::vLLMHttpServer", "VLLM::EngineCore", "ray::AgentLoop")
 _UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/")
+# The route-drift engine's keys of both passes (docs/routing-replay.md).
+DRIFT = ("flip_frac", "overlap", "prob_mass_delta", "any_layer_flip_frac", "replayed_tokens")
+DRIFT += ("flip_frac/layer_0", "flip_frac/layer_1")
+ROUTE_DRIFT_KEYS = tuple(f"actor/routing/{p}{k}" for p in ("", "compute_log_prob/") for k in DRIFT)
+ROUTE_IDS_PER_TOKEN = 2 * 2  # the kit's MoE: 2 layers, top-2
 # Metrics of vLLM's log-probs against the trainer's, and their bound across a resume (seen: 4.7e-10).
 SAMPLER_KEYS, SAMPLER_GAP = ("rollout_corr/", "training/rollout_"), 1e-6
 
@@ -504,14 +509,30 @@ def test_the_resubmitted_run_resumes_and_repeats_the_lost_runs_step(lost_and_res
 
 @pytest.mark.slow
 def test_every_step_on_two_nodes_replays_vllms_routes_and_agrees_with_the_sampler(lost_and_resumed):
-    """The one-node R3 run's checks (tests/cpu/test_cpu_vllm.py) on the two-node run: routes replayed in both passes,
-    each replayed route the trainer's router's own top-k at compute_log_prob, the sampler-agreement bound."""
+    """The healthy Megatron R3 run with vLLM (tests/cpu/test_cpu_vllm.py has its faults), on two nodes: the loss's and
+    the route-drift engine's keys in every step, routes replayed in both passes, each replayed route the trainer's
+    router's own top-k at compute_log_prob, vLLM's routes received as uint8 at each sample's own length, sampler and
+    trainer in agreement after every update, and no guard that warns or stops."""
     steps = [line for line in lost_and_resumed["lines"] if "step" in line]
     assert_weights_synced(steps)
+    assert_trains(steps)
+    grads = [line["data"]["actor/grad_norm"] for line in steps]
+    assert any(grads[:-1]), "no step followed an update: the weight sync was never put to the test"
     for line in steps:
         data = line["data"]
+        missing = [key for key in (*RESPO_KEYS, *ROUTE_DRIFT_KEYS) if key not in data]
+        assert not missing, (line["step"], missing)
+        assert data["training/rollout_probs_diff_valid"] == 1.0  # vLLM's log-probs reached the trainer
         assert data["actor/routing/compute_log_prob/replayed_tokens"] > 0, (line["step"], data)
         assert data["actor/routing/replayed_tokens"] > 0, (line["step"], data)
         flips = {k: v for k, v in data.items() if k.startswith("actor/routing/compute_log_prob/flip_frac/layer_")}
         assert len(flips) == 2 and set(flips.values()) == {0.0}, (line["step"], flips)
         assert data["actor/routing/compute_log_prob/any_layer_flip_frac"] == 0.0
+        # vLLM's routes reached the trainer as uint8 (respo_verl/patches/verl_0_9_1_routes.py), each sample at its
+        # own length: one byte per expert id of each prompt and response token, and no more
+        tokens = data["prompt_length/mean"] + data["response_length/mean"]
+        per_sample = data["actor/routing/compute_log_prob/route_bytes_per_sample"]
+        assert per_sample == pytest.approx(tokens * ROUTE_IDS_PER_TOKEN), (line["step"], per_sample, tokens)
+        assert "respo_verl/guard_warnings" not in data and "respo_verl/stopped" not in data
+    for out in (lost_and_resumed["lost_out"], lost_and_resumed["out_text"]):
+        assert "run_guard.max_probs" not in out and "run_guard.routing" not in out, out[-3000:]
