@@ -39,9 +39,6 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 VLLM = ("actor_rollout_ref.rollout.name=vllm",)
 MEGATRON_R3 = ("model_engine=megatron", "+device=cpu_megatron", "routing=r3")
-# The Megatron preset's lr (1e-3) drives the tiny MoE to all-wrong answers within two steps (no advantage, no update
-# after that); 1e-4 keeps both signs of advantage through the run, so that every step follows a real update.
-MEGATRON_LR = "actor_rollout_ref.actor.optim.lr=1e-4"
 TIMEOUT_S = 900
 
 
@@ -100,8 +97,9 @@ MEGATRON_MODULES = (CPU_MODULE, PLUGIN_MODULE)
 def fused_experts_run(tmp_path_factory):
     return _run(
         tmp_path_factory.mktemp("vllm-fused"),
+        # The preset's lr (1e-3): step 1's update moves the experts that vLLM never gets far enough for step 2's gap
+        # to stand clear of the healthy one; at lr 1e-4 one suite saw 0.009, under the margin asserted below.
         *MEGATRON_R3,
-        MEGATRON_LR,
         *cpu_runs.extra_modules("fused_expert_export", preset=MEGATRON_MODULES),
     )
 
