@@ -135,12 +135,15 @@ class TwoNodes:
         return proc
 
     def alive_nodes(self) -> list[str]:
-        code = "import ray; ray.init(); print(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))"
+        # Marked: Ray prints warnings of its own on stdout when the machine is busy ("lagging heartbeats").
+        code = "import json, ray; ray.init(); "
+        code += "print('alive:', json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))"
         done = subprocess.run(
             [sys.executable, "-c", code], env=self.client_env(), capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
+        (alive,) = [line for line in done.stdout.splitlines() if line.startswith("alive: ")]
+        return json.loads(alive.removeprefix("alive: "))
 
     def wait_for_nodes(self, count: int) -> None:
         deadline = time.monotonic() + START_S
@@ -164,7 +167,10 @@ class TwoNodes:
     def stop(self) -> None:
         if self.worker is not None:
             self.kill_worker()
-        reap([], self.temp)
+        # The head's Ray client server names only the cluster's address, not its temp dir.
+        gcs = re.compile(rf"--address=\S+:{self.gcs}( |$)")
+        strays = [p for p in psutil.process_iter(["cmdline"]) if gcs.search(" ".join(p.info["cmdline"] or ()))]
+        reap(strays, self.temp)
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
