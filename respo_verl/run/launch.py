@@ -191,8 +191,8 @@ def train(config: DictConfig, check_loss=None) -> None:
     is imported, before the validation (the entry point passes the glue's
     :func:`respo_verl.verl.config.require_policy_loss`). Raises the checks' errors (DataCheckError,
     MachineCheckError, ModelCheckError) before Ray starts. A run that stops prints one line naming the cause
-    (:func:`respo_verl.run.stops.stop_of`) on stderr before anything else of the stop, and exits with its status
-    (``SystemExit``); an error the run does not know is re-raised after its line (exit 1, with its traceback)."""
+    (:func:`respo_verl.run.stops.stop_of`) on stderr once Ray is shut down, the driver's last, and exits with its
+    status (``SystemExit``); an error the run does not know is re-raised after its line (exit 1, with its traceback)."""
     check_machine(config)  # before Ray: a cuda job on a machine without CUDA, with a Ray of its own
     check_model(config)  # before Ray: a model path that is not there
     check_data(config)  # before Ray: rows verl would otherwise train on silently
@@ -210,24 +210,32 @@ def train(config: DictConfig, check_loss=None) -> None:
         runner_cls = TaskRunnerV1
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
-    global _WATCHDOG
     try:
         run_ppo(config, task_runner_class=with_driver_hooks(runner_cls, config))
     except (KeyboardInterrupt, Exception) as exc:  # the watchdog interrupts the wait for the trainer (as Ctrl-C does)
         stopped = _WATCHDOG.stopped if _WATCHDOG is not None else None
         if isinstance(exc, KeyboardInterrupt) and stopped is None:
             raise
-        # Ray re-raises the trainer's stop wrapped in a traceback per process: its line first; a Ray actor error
+        # Ray re-raises the trainer's stop wrapped in a traceback per process: its line instead; a Ray actor error
         # because a node went away names the node, its roles and the step (respo_verl.run.nodes)
         step = _WATCHDOG.step if _WATCHDOG is not None else None
         stop = stop_of(stopped or lost_node_stop(exc, step) or exc, PROG)
-        print(stop.line, file=sys.stderr, flush=True)
+        try:
+            _wind_down(ray)  # Ray echoes its workers' logs and errors until it is shut down: all of it before the line
+        finally:
+            print(stop.line, file=sys.stderr, flush=True)
         if stop.status == EXIT_ERROR:
             raise
         raise SystemExit(stop.status) from None
     finally:
-        if _WATCHDOG is not None:
-            _WATCHDOG.close()
-            _WATCHDOG = None
-        if ray.is_initialized():
-            ray.shutdown()
+        _wind_down(ray)
+
+
+def _wind_down(ray) -> None:
+    """Close the watchdog and shut Ray down, once."""
+    global _WATCHDOG
+    if _WATCHDOG is not None:
+        _WATCHDOG.close()
+        _WATCHDOG = None
+    if ray.is_initialized():
+        ray.shutdown()
