@@ -191,8 +191,9 @@ def train(config: DictConfig, check_loss=None) -> None:
     is imported, before the validation (the entry point passes the glue's
     :func:`respo_verl.verl.config.require_policy_loss`). Raises the checks' errors (DataCheckError,
     MachineCheckError, ModelCheckError) before Ray starts. A run that stops prints one line naming the cause
-    (:func:`respo_verl.run.stops.stop_of`) on stderr once Ray is shut down, the driver's last, and exits with its
-    status (``SystemExit``); an error the run does not know is re-raised after its line (exit 1, with its traceback)."""
+    (:func:`respo_verl.run.stops.stop_of`) on stderr, and nothing of Ray's after it (:func:`end_ray_echo`), and exits
+    with its status (``SystemExit``); an error the run does not know is re-raised after its line (exit 1, with its
+    traceback)."""
     check_machine(config)  # before Ray: a cuda job on a machine without CUDA, with a Ray of its own
     check_model(config)  # before Ray: a model path that is not there
     check_data(config)  # before Ray: rows verl would otherwise train on silently
@@ -220,10 +221,8 @@ def train(config: DictConfig, check_loss=None) -> None:
         # because a node went away names the node, its roles and the step (respo_verl.run.nodes)
         step = _WATCHDOG.step if _WATCHDOG is not None else None
         stop = stop_of(stopped or lost_node_stop(exc, step) or exc, PROG)
-        try:
-            _wind_down(ray)  # Ray echoes its workers' logs and errors until it is shut down: all of it before the line
-        finally:
-            print(stop.line, file=sys.stderr, flush=True)
+        end_ray_echo()
+        print(stop.line, file=sys.stderr, flush=True)
         if stop.status == EXIT_ERROR:
             raise
         raise SystemExit(stop.status) from None
@@ -232,10 +231,18 @@ def train(config: DictConfig, check_loss=None) -> None:
 
 
 def _wind_down(ray) -> None:
-    """Close the watchdog and shut Ray down, once."""
     global _WATCHDOG
     if _WATCHDOG is not None:
         _WATCHDOG.close()
         _WATCHDOG = None
     if ray.is_initialized():
         ray.shutdown()
+
+
+def end_ray_echo() -> None:
+    """From here on the driver's console gets none of what Ray echoes of its workers' logs and errors (its log folder
+    keeps them): the logs of a dying job's actors, lagging behind, would follow the stop's line, tracebacks included.
+    The switch is the one Ray's own debugger turns (``ray.util.rpdb``)."""
+    import ray._private.worker as ray_worker
+
+    ray_worker._worker_logs_enabled = False

@@ -108,6 +108,30 @@ def test_an_unknown_error_is_one_line_then_its_traceback():
     assert got.line == f"{PROG}: stopped (error, exit 1): KeyError: 'actor_rollout_ref' (its traceback follows)"
 
 
+def test_after_the_stop_line_ray_echoes_no_log_or_error_of_its_workers(capsys, monkeypatch):
+    """Ray's own echo on the driver's console, as its log and error threads call it: a worker's traceback printed
+    before :func:`end_ray_echo`, nothing after it (lines it held back as repeats included, flushed at shutdown)."""
+    import ray._private.worker as ray_worker
+
+    from respo_verl.run.launch import end_ray_echo
+
+    monkeypatch.setattr(ray_worker, "_worker_logs_enabled", True)  # restored after the test: this process's Ray
+    logged = {"lines": ["Traceback (most recent call last):"], "pid": 7, "ip": "127.0.0.2", "is_err": True}
+    logged.update(job="01000000", actor_name="WorkerDict", task_name="")
+    error = {"lines": ["Raylet is terminated"], "pid": "raylet", "is_err": False}
+    for data in (logged, error):
+        ray_worker.print_to_stdstream(dict(data), ignore_prefix=False)
+    seen = capsys.readouterr()
+    assert "Traceback" in seen.err and "Raylet is terminated" in seen.out, seen
+    end_ray_echo()
+    for data in (logged, error):
+        ray_worker.print_to_stdstream(dict(data), ignore_prefix=False)
+    for flushed in (ray_worker.stdout_deduplicator.flush(), ray_worker.stderr_deduplicator.flush()):
+        for leftover in flushed:
+            ray_worker.print_worker_logs(leftover, ray_worker.sys.stderr)
+    assert capsys.readouterr() == ("", "")
+
+
 def test_errors_of_a_step_become_stops_naming_the_step():
     # a ray.get inside the step: the worker group's actor died (Ray raises ActorDiedError as such), or its loss
     # refused non-finite values (Ray wraps the worker's error)
