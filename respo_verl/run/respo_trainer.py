@@ -46,7 +46,7 @@ from respo_verl.run.stops import (
     RunStopped,
     stop_for_error,
 )
-from respo_verl.run.watchdog import STOP, NullBoard, PhaseBoard, Records
+from respo_verl.run.watchdog import STOP, PhaseBoard, Records
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class RespoTrainer(PPOTrainerSync):
         self._run = checkpoint.identity(config)
         self._records = Records()
         # The phase of the step for the driver's watchdog (respo_verl.run.watchdog).
-        self._board = PhaseBoard(self._records) if guard.enable else NullBoard()
+        self._board = PhaseBoard(self._records if guard.enable else None)
         self._prompt_order: dict[str, int] = {}  # uid -> position, for the train prompts not yet sampled
         self._prompts_fetched = 0
         self._sample_wait: SampleWait | None = None
