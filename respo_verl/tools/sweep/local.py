@@ -225,19 +225,20 @@ def _ended(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def _tail(path: Path, offset: int) -> list[str]:
+def _read_from(path: Path, offset: int) -> str:
     with path.open("rb") as fh:
         fh.seek(offset)
-        text = fh.read().decode(errors="replace")
-    lines = [line[:TAIL_WIDTH] for line in text.splitlines() if line.strip()]
-    return lines[-TAIL_LINES:]
+        return fh.read().decode(errors="replace")
 
 
-def failure_report(record: RunRecord, how: str, logged: int, output: Path, offset: int) -> str:
-    """The report of a failed run: its name, how it ended, the last lines of its output, where all of it is."""
-    tail = _tail(output, offset)
+def failure_report(
+    record: RunRecord, how: str, logged: int, text: str, output: Path, source: str = "its output"
+) -> str:
+    """The report of a failed run (both executors'): its name, how it ended, the last lines of ``text`` (its output,
+    as ``source`` names it), and ``output``, the file that holds all of it."""
+    tail = [line[:TAIL_WIDTH] for line in text.splitlines() if line.strip()][-TAIL_LINES:]
     lines = [f"run {record.name} failed: {how}, {logged} of {record.last_log_step} steps logged"]
-    lines += ["  the last lines of its output:", *(f"  | {line}" for line in tail)] if tail else ["  no output"]
+    lines += [f"  the last lines of {source}:", *(f"  | {line}" for line in tail)] if tail else ["  no output"]
     lines.append(f"  full output: {output}")
     return "\n".join(lines)
 
@@ -289,7 +290,7 @@ def _run_one(
             Status.INTERRUPTED,
             f"interrupted ({how}) with {logged} of {steps} steps logged; the same command resumes it",
         )
-    progress.write(failure_report(record, how, logged, output, offset_run))
+    progress.write(failure_report(record, how, logged, _read_from(output, offset_run), output))
     progress.drop(steps - logged)
     return Outcome(record.name, Status.FAILED, f"failed: {how}, {logged} of {steps} steps logged")
 

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from respo_verl.tools.runs.manifest import RunRecord
-from respo_verl.tools.sweep.local import TAIL_LINES, TAIL_WIDTH, logged_steps, output_path
+from respo_verl.tools.sweep.local import failure_report, logged_steps, output_path
 from respo_verl.tools.sweep.progress import SweepProgress
 from respo_verl.tools.sweep.runner import ClusterError, Outcome, Status, is_complete, shell_line
 
@@ -136,19 +136,6 @@ def _save_output(client, record: RunRecord, out_dir: Path, job_id: str) -> tuple
     return path, text
 
 
-def failure_report(record: RunRecord, job, logged: int, text: str, output: Path) -> str:
-    """A failed job: the run, the job id, its status and Ray's message, the last lines of ``ray job logs``."""
-    lines = [line[:TAIL_WIDTH] for line in text.splitlines() if line.strip()][-TAIL_LINES:]
-    message = f" ({job.message.strip().splitlines()[0]})" if (job.message or "").strip() else ""
-    report = [
-        f"run {record.name} failed: job {job.submission_id} {_status(job)}{message}, "
-        f"{logged} of {record.last_log_step} steps logged"
-    ]
-    report += [f"  the last lines of `ray job logs {job.submission_id}`:", *(f"  | {line}" for line in lines)]
-    report.append(f"  full output: {output}")
-    return "\n".join(report)
-
-
 def wait_for_runs(
     records: list[RunRecord], out_dir: Path, client, job_ids: dict[str, str], stream=None, interactive=None
 ) -> list[Outcome]:
@@ -179,7 +166,9 @@ def wait_for_runs(
                     progress.write(f"{name}: job {job_id} succeeded")
                 else:
                     ended[name] = Outcome(name, Status.FAILED, f"failed: job {job_id} {_status(job)}")
-                    progress.write(failure_report(record, job, logged, text, output))
+                    message = f" ({job.message.strip().splitlines()[0]})" if (job.message or "").strip() else ""
+                    how, source = f"job {job_id} {_status(job)}{message}", f"`ray job logs {job_id}`"
+                    progress.write(failure_report(record, how, logged, text, output, source))
                     progress.drop(record.last_log_step - logged)
             done = sum(o.status is Status.RAN for o in ended.values()) + sum(
                 is_complete(r, out_dir) for r in records if r.name not in job_ids
