@@ -304,13 +304,7 @@ def run_locally(records: list[RunRecord], out_dir: Path, stream=None, interactiv
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     logged = {r.name: logged_steps(r, out_dir) for r in records}
-    progress = SweepProgress(
-        total_steps=sum(r.last_log_step for r in records),
-        done_steps=sum(logged.values()),
-        runs=len(records),
-        stream=stream,
-        interactive=interactive,
-    )
+    progress = SweepProgress(records, sum(logged.values()), stream, interactive)
     interrupts = _Interrupts(progress.write)
     outcomes: list[Outcome] = []
     try:

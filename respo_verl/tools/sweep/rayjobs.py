@@ -141,13 +141,7 @@ def wait_for_runs(
 ) -> list[Outcome]:
     """Wait for the jobs of ``job_ids`` with a progress line; one outcome per run of ``records``."""
     by_name = {r.name: r for r in records}
-    progress = SweepProgress(
-        total_steps=sum(r.last_log_step for r in records),
-        done_steps=sum(logged_steps(r, out_dir) for r in records),
-        runs=len(records),
-        stream=stream,
-        interactive=interactive,
-    )
+    progress = SweepProgress(records, sum(logged_steps(r, out_dir) for r in records), stream, interactive)
     ended: dict[str, Outcome] = {}
     try:
         while True:
