@@ -213,12 +213,8 @@ def _describe(info: dict) -> str:
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """What the run will do about its checkpoint folder (:func:`checkpoint_folder`).
-
-    Attributes:
-        resume_from: the complete checkpoint to resume from, or None to start from scratch.
-        warnings: lines to print loudly (half-written checkpoints skipped, checkpoints without a marker).
-    """
+    """What the run will do about its checkpoint folder: resume from ``resume_from`` (None: start from scratch), after
+    printing ``warnings`` loudly (half-written checkpoints skipped, checkpoints without a marker)."""
 
     resume_from: Path | None
     warnings: tuple[str, ...] = ()
@@ -230,16 +226,13 @@ def checkpoint_folder(cfg: Any, cwd: Path | None = None) -> Path:
 
 
 def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> ResumePlan:
-    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder: half-written checkpoints
-    skipped, the newest complete one verified (docs/internals.md, "The respo-verl trainer and its checkpoints"); with
-    ``trainer.resume_mode=resume_path``, verify the checkpoint it names when it has a marker. ``run``: the run's
-    :func:`identity` when the caller took it earlier (the trainer, before verl adds its own keys to the
-    configuration); by default it is taken from ``cfg``.
+    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder, or verify the checkpoint
+    ``trainer.resume_mode=resume_path`` names (docs/internals.md, "The respo-verl trainer and its checkpoints").
+    ``run``: the run's :func:`identity` when the caller took it earlier (the trainer, before verl adds its own keys
+    to the configuration); by default it is taken from ``cfg``.
 
     Raises:
-        CheckpointError: the newest complete checkpoint belongs to another configuration, or one of its files is
-            missing, truncated, changed or unreadable (the message names the override that resumes from the newest
-            intact checkpoint before it).
+        CheckpointError: the checkpoint belongs to another configuration or is damaged (one line: what to do).
     """
     folder = checkpoint_folder(cfg, cwd)
     mode = str(OmegaConf.select(cfg, "trainer.resume_mode", default="auto"))

@@ -1,7 +1,5 @@
-"""The respo-verl trainer class: verl 0.9.1's ``PPOTrainerSync`` with checkpoints that know their run
-(:mod:`respo_verl.run.checkpoint`), a log that keeps every step, the stop on request, samples in the data loader's
-order, the guards (:mod:`respo_verl.run.guards`; a guard's stop logs its step first, marked ``respo_verl/stopped`` =
-1), the phase record of the driver's watchdog and the liveness of the actors a step waits on. Every stop is a
+"""The respo-verl trainer class: verl 0.9.1's ``PPOTrainerSync`` with the additions of
+docs/internals.md, "The respo-verl trainer and its checkpoints"; every stop is a
 :class:`respo_verl.run.stops.RunStopped`. Imports verl: only the registration
 (:data:`respo_verl.run.trainer.REGISTRATION`) imports this module, once verl has imported its V1 trainers.
 

@@ -123,12 +123,9 @@ class PhaseBoard:
 
 
 class Watchdog:
-    """The driver's side: the trainer's phase record read every :data:`PHASE_CHECK_INTERVAL_S`; when its progress
-    count has not changed for the phase's bound, by the driver's own clock, the run stops (:meth:`stop_for`). Nothing
-    is measured before the trainer's first record, nor while a record says it is not watched. With ``guard.enable``
-    false it bounds nothing and only carries the stop request (:meth:`request_stop`) to the trainer. ``trace``: a
-    file to which each changed record is appended, as a JSON line with ``at``, the driver's monotonic clock (the
-    entry point's ``RESPO_VERL_WATCHDOG_TRACE``: what the watchdog saw of a hang)."""
+    """The driver's side (module docstring); with ``guard.enable`` false it only carries the stop request to the
+    trainer. ``trace``: a file to which each changed record is appended, as a JSON line with ``at``, the driver's
+    monotonic clock (the entry point's ``RESPO_VERL_WATCHDOG_TRACE``: what the watchdog saw of a hang)."""
 
     def __init__(
         self,
