@@ -36,22 +36,13 @@ ROLLOUT_PACKAGES = {"vllm": ("vllm", "vLLM"), "sglang": ("sglang", "SGLang")}
 
 @dataclass(frozen=True)
 class Requirement:
-    """One piece a job needs on every node.
+    """One piece a job needs on every node."""
 
-    Attributes:
-        module: the import name (``deep_ep``, ``megatron.bridge``); for a GPU requirement, ``torch``.
-        why_key: the config key, with its value, that makes the job need it.
-        package: what to install, in words (``DeepEP``, ``Megatron-Bridge``).
-        alternatives: further import names, any one of which satisfies the requirement in place of ``module``.
-        gpus: for ``trainer.device=cuda``: the CUDA GPUs each node must show (``torch.cuda.device_count()``);
-            0 for a package.
-    """
-
-    module: str
-    why_key: str
-    package: str
-    alternatives: tuple[str, ...] = ()
-    gpus: int = 0
+    module: str  # the import name (deep_ep, megatron.bridge); for a GPU requirement, torch
+    why_key: str  # the config key, with its value, that makes the job need it
+    package: str  # what to install, in words (DeepEP, Megatron-Bridge)
+    alternatives: tuple[str, ...] = ()  # further import names, any one of which satisfies it in place of module
+    gpus: int = 0  # trainer.device=cuda: the CUDA GPUs each node must show (torch.cuda.device_count()); 0: a package
 
     @property
     def names(self) -> tuple[str, ...]:
