@@ -1,21 +1,9 @@
 """The local executor of ``respo-verl sweep --out DIR``: the sweep's runs one after another on this machine.
 
-- A run whose log is complete is skipped; any other run is started with its manifest command and environment. Each
-  run's stdout and stderr go to ``<name>.out`` beside its log (:func:`output_path`), every attempt appended after a
-  header line, never to the terminal; the terminal shows the progress line (:mod:`respo_verl.tools.sweep.progress`).
-- A run that ends without a complete log (an exit status other than 0, a signal, a run guard that stopped it) is
-  reported with its name, how it ended, the last lines of its output and where the whole output is, and the sweep
-  goes on with the next run. :func:`summary` is the line the sweep ends with.
-- Interrupting the sweep (Ctrl-C, SIGTERM) sends the running run SIGTERM, which with the respo-verl trainer saves a
-  checkpoint at the end of the current step and ends the run (docs/cluster.md); the sweep waits for that and ends
-  without starting another run. A second interrupt kills the run at once. When the sweep itself is killed
-  (SIGKILL), the run gets SIGTERM from the kernel (Linux ``PR_SET_PDEATHSIG``) and saves the same way.
-- The folder is locked (:data:`LOCK_NAME`, ``flock``) for as long as the sweep or its running run lives: the run
-  holds the lock too, so a sweep started again while the run of a killed sweep still saves waits for it, and a
-  second sweep started while another one runs in the folder is refused. Started again with the same command, the
-  sweep skips the complete runs and the interrupted one resumes through verl's resume from its own checkpoint folder
-  (``trainer.default_local_dir``, one per run, set by the sweep); its appending log keeps every step once
-  (:mod:`respo_verl.tools.runs.logs`).
+Each run's output goes to ``<name>.out`` beside its log (:func:`output_path`), a failed run is reported
+(:func:`failure_report`) and the sweep goes on, an interrupt makes the running run save and stop, and the folder is
+locked (:data:`LOCK_NAME`) while the sweep or its run lives. How, and why:
+docs/internals.md, "The sweep run here: progress, interruption, locks".
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The Ray executor of ``respo-verl sweep --ray ADDRESS``: each incomplete run as one Ray job, through Ray's Job
 Submission SDK (``ray.job_submission.JobSubmissionClient``; the address is the cluster's dashboard).
 
-- A job's entrypoint is the run's manifest line with its environment in front
-  (``VERL_FILE_LOGGER_PATH=... python -m ...``, :func:`respo_verl.tools.sweep.runner.shell_line`), not a job
-  ``runtime_env``: verl's driver calls ``ray.init`` with a runtime env that carries the driver's own ``VERL_*``
-  variables, and Ray refuses to merge a job's runtime env holding the same keys.
-- Every job carries the run's name and the sweep's folder in its metadata, and a submission id
-  ``<run>-<folder digest>-<attempt>``. A run with a PENDING or RUNNING job of this folder is not submitted again; two
-  sweeps that submit the same attempt at once collide on the submission id, which Ray refuses for the second.
-- Without ``--no-wait`` the sweep waits for its runs' jobs with a progress line (runs done, running with their step,
-  failed, of all), reports each job that ended without a complete log (its id, status, Ray's message and the last
-  lines of ``ray job logs``), appends each ended job's output to ``<out>/logs/<name>.out`` and ends with the same
-  summary line as the local executor. The manifest and the logs are where the local executor puts them, so
-  ``respo-verl report`` reads either; the logs are written by the jobs, so ``--out`` must be on storage the cluster
-  writes (the sweep reads the current step from them).
+A job's entrypoint is the run's manifest line with its environment in front (``runner.shell_line``), not a job
+``runtime_env``: verl's driver calls ``ray.init`` with a runtime env that carries its own ``VERL_*`` variables, and
+Ray refuses to merge a job's runtime env holding the same keys. Submission ids, waiting, reports and logs:
+docs/comparing.md, "`respo-verl sweep`: the grid as verl runs" (As Ray jobs).
 """
 
 from __future__ import annotations
