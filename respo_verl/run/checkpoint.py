@@ -1,13 +1,11 @@
 """Which checkpoint a run may resume from: run fingerprints, complete and half-written checkpoints.
 
-verl 0.9.1 saves ``<trainer.default_local_dir>/global_step_<k>/`` and, once a save is done, writes ``k`` into
-``latest_checkpointed_iteration.txt``; ``trainer.resume_mode=auto`` resumes from whatever that file names, whoever
-wrote it. Here every checkpoint the respo-verl trainer saves carries :data:`MARKER`: the run's :func:`fingerprint`
-and the files the save wrote (:func:`manifest`). It is written after verl's save has returned and the step's metrics
-are in the log, so it also marks the checkpoint complete and its step logged. Before Ray starts, :func:`plan_resume`
-decides what the run resumes from (docs/internals.md, "The respo-verl trainer and its checkpoints").
-
-Imports omegaconf only (it runs in the driver before anything heavy).
+verl 0.9.1's ``trainer.resume_mode=auto`` resumes from whatever :data:`TRACKER` names, whoever wrote it. Every
+checkpoint the respo-verl trainer saves carries :data:`MARKER` (the run's :func:`fingerprint` and the files the save
+wrote, :func:`manifest`), written once verl's save has returned and the step's metrics are in the log; before Ray
+starts, :func:`plan_resume` decides what the run resumes from
+(docs/internals.md, "The respo-verl trainer and its checkpoints"). Imports omegaconf only (it runs in the driver
+before anything heavy).
 """
 
 from __future__ import annotations

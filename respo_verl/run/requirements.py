@@ -1,11 +1,9 @@
 """What a composed job needs installed on every node, and which of it the current process lacks.
 
-:func:`job_requirements` reads the composed configuration (an OmegaConf node) and imports nothing: the planner
-prints its result (``respo-verl plan``), and the per-node preflight (:mod:`respo_verl.run.preflight`) ships it to
-every Ray node, where :func:`check_missing` imports each piece. Each requirement names the config key (with its
-value) that makes the job need it, so that a missing piece can be fixed either way: install it, or change the key.
-Which key needs what is the table of docs/gpu.md, "The preflight: what every node must have"; where verl 0.9.1,
-megatron-core 0.16.1 and Transformer Engine decide it is said next to each requirement below.
+:func:`job_requirements` reads the composed configuration and imports nothing; :func:`check_missing` imports each
+piece where it runs (docs/gpu.md, "The preflight: what every node must have"). Each requirement names the key that
+makes the job need it, so that a missing piece can be fixed either way: install it, or change the key; where verl
+0.9.1, megatron-core 0.16.1 and Transformer Engine decide it is said next to each requirement below.
 """
 
 from __future__ import annotations
