@@ -127,9 +127,9 @@ class StepGuards:
             metrics.update({f"{WARNINGS_KEY}/{name}": float(count) for name, count in self.warnings.items()})
             metrics[WARNINGS_KEY] = float(sum(self.warnings.values()))
 
-    def _trip(self, guard: str, mode: str, message: str) -> None:
-        """Stop with ``message``, or (``mode`` warn) print it as one line and count it."""
-        if mode == "stop":
+    def _trip(self, guard: str, message: str) -> None:
+        """Stop with ``message``, or (``run_guard.<guard>=warn``) print it as one line and count it."""
+        if getattr(self.config, guard) == "stop":
             raise RunStopped(message)
         self.warnings[guard] = self.warnings.get(guard, 0) + 1
         print(f"respo-verl: WARNING: run_guard.{guard}=warn: {message}", flush=True)
@@ -156,7 +156,6 @@ class StepGuards:
             if value is None:
                 self._trip(
                     "routing_replay",
-                    mode,
                     f"step {step}: router_replay.mode={verl} but {key} is missing: the route-drift "
                     f"engine did not run (select it with routing={self.replay}), so replay is "
                     "unchecked",
@@ -164,7 +163,6 @@ class StepGuards:
             elif value <= 0:
                 self._trip(
                     "routing_replay",
-                    mode,
                     f"step {step}: {key}={value:g} with router_replay.mode={verl}: the {name} pass "
                     f"replayed no route; {source} were missing or all zero (a sampler that returns no routes, e.g. "
                     "a MoE kernel that skips vLLM's capture hook), and the trainer routed on its own",
@@ -184,7 +182,6 @@ class StepGuards:
             if value is not None and value > bound:
                 self._trip(
                     "sampler_agreement",
-                    c.sampler_agreement,
                     f"step {step}: {key}={value:.3g} > run_guard.{name}={bound:g}: the sampler's token probabilities "
                     "disagree with the trainer's before its first update of the step; usually the weights did not "
                     "all reach the sampler (names its loader skipped, a failed sync), or sampler and trainer compute "
@@ -204,7 +201,6 @@ class StepGuards:
         if share > bound:
             self._trip(
                 "routing_replay",
-                mode,
                 f"step {step}: layer {layer}: {share:.3f} of the replayed tokens' routes are not the trainer's "
                 f"router's top-k at compute_log_prob ({prefix}{layer}) > run_guard.max_route_reject_share={bound:g}: "
                 "the sampler's routes belong to other weights or another model",
