@@ -218,12 +218,12 @@ class ResumePlan:
     warnings: tuple[str, ...] = ()
 
 
-def checkpoint_folder(cfg: Any, cwd: Path | None = None) -> Path:
+def checkpoint_folder(cfg: Any) -> Path:
     """``trainer.default_local_dir`` as verl resolves it (relative to the working directory)."""
-    return (cwd or Path.cwd()) / Path(str(OmegaConf.select(cfg, "trainer.default_local_dir"))).expanduser()
+    return Path.cwd() / Path(str(OmegaConf.select(cfg, "trainer.default_local_dir"))).expanduser()
 
 
-def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> ResumePlan:
+def plan_resume(cfg: Any, run: dict | None = None) -> ResumePlan:
     """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder, or verify the checkpoint
     ``trainer.resume_mode=resume_path`` names (docs/internals.md, "The respo-verl trainer and its checkpoints").
     ``run``: the run's :func:`identity` when the caller took it earlier (the trainer, before verl adds its own keys
@@ -232,11 +232,11 @@ def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> R
     Raises:
         CheckpointError: the checkpoint belongs to another configuration or is damaged (one line: what to do).
     """
-    folder = checkpoint_folder(cfg, cwd)
+    folder = checkpoint_folder(cfg)
     mode = str(OmegaConf.select(cfg, "trainer.resume_mode", default="auto"))
     if mode == "resume_path":
         named = OmegaConf.select(cfg, "trainer.resume_from_path")
-        path = (cwd or Path.cwd()) / Path(str(named)).expanduser() if named else None  # an absolute path stays
+        path = Path.cwd() / Path(str(named)).expanduser() if named else None  # an absolute path stays
         if path is not None and (path / MARKER).is_file() and (problem := marker_problem(path)[0]):
             raise CheckpointError(
                 f"DAMAGED CHECKPOINT {path} (trainer.resume_from_path): {problem}; name another checkpoint"
