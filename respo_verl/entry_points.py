@@ -1,17 +1,15 @@
-"""The names by which verl, Hydra, Ray and the shell reach this package: one home for each.
+"""The names by which verl, Hydra, Ray and pip reach this package: one home for each.
 
 Imports nothing. pyproject.toml and the presets repeat some of these strings (they cannot import Python); tests keep
 them equal to the constants here.
 """
 
 DISTRIBUTION = "respo-verl"
-CONSOLE_SCRIPT = "respo-verl"
 # The verl.plugins entry point and the module the presets put in VERL_USE_EXTERNAL_MODULES: losses, estimator, engines.
 PLUGIN_MODULE = "respo_verl.verl.plugin"
 # The module the +device=cpu presets add to VERL_USE_EXTERNAL_MODULES: switches each Ray process to verl on CPU.
 CPU_MODULE = "respo_verl.cpu.activate"
-# Our Hydra entry point (python -m ...) and the package its presets ship in (the top-level configs/ folder).
-MAIN_MODULE = "respo_verl.main_ppo"
+# The package the presets ship in (the top-level configs/ folder) and our entry point's primary config.
 CONFIG_PACKAGE = "respo_verl.configs"
 PRIMARY_CONFIG = "respo_trainer"
 

@@ -2,8 +2,7 @@
 
 - before Ray: ``compose`` (the job as verl's or our entry point composes it), ``jobcheck`` (a composed job that
   would fail late), :mod:`respo_verl.data.check` (the parquet files), ``requirements`` (what the job needs on every
-  node),
-  ``resolvers`` (the presets' run name and save frequency);
+  node), ``resolvers`` (the presets' run name and save frequency);
 - once Ray is up: ``preflight`` (every node imports the package, has what the job needs and sees the run's folders),
   ``nodes`` (where each role runs, a lost node);
 - while it trains: ``trainer`` (its registration) and ``respo_trainer`` (verl's trainer with the guards, the phase

@@ -1,13 +1,11 @@
 """Which checkpoint a run may resume from: run fingerprints, complete and half-written checkpoints.
 
-verl 0.9.1 saves ``<trainer.default_local_dir>/global_step_<k>/`` and, once a save is done, writes ``k`` into
-``latest_checkpointed_iteration.txt``; ``trainer.resume_mode=auto`` resumes from whatever that file names, whoever
-wrote it. Here every checkpoint the respo-verl trainer saves carries :data:`MARKER`: the run's :func:`fingerprint`
-and the files the save wrote (:func:`manifest`). It is written after verl's save has returned and the step's metrics
-are in the log, so it also marks the checkpoint complete and its step logged. Before Ray starts, :func:`plan_resume`
-decides what the run resumes from (docs/internals.md, "The respo-verl trainer and its checkpoints").
-
-Imports omegaconf only (it runs in the driver before anything heavy).
+verl 0.9.1's ``trainer.resume_mode=auto`` resumes from whatever :data:`TRACKER` names, whoever wrote it. Every
+checkpoint the respo-verl trainer saves carries :data:`MARKER` (the run's :func:`fingerprint` and the files the save
+wrote, :func:`manifest`), written once verl's save has returned and the step's metrics are in the log; before Ray
+starts, :func:`plan_resume` decides what the run resumes from
+(docs/internals.md, "The respo-verl trainer and its checkpoints"). Imports omegaconf only (it runs in the driver
+before anything heavy).
 """
 
 from __future__ import annotations
@@ -213,39 +211,32 @@ def _describe(info: dict) -> str:
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """What the run will do about its checkpoint folder (:func:`checkpoint_folder`).
-
-    Attributes:
-        resume_from: the complete checkpoint to resume from, or None to start from scratch.
-        warnings: lines to print loudly (half-written checkpoints skipped, checkpoints without a marker).
-    """
+    """What the run will do about its checkpoint folder: resume from ``resume_from`` (None: start from scratch), after
+    printing ``warnings`` loudly (half-written checkpoints skipped, checkpoints without a marker)."""
 
     resume_from: Path | None
     warnings: tuple[str, ...] = ()
 
 
-def checkpoint_folder(cfg: Any, cwd: Path | None = None) -> Path:
+def checkpoint_folder(cfg: Any) -> Path:
     """``trainer.default_local_dir`` as verl resolves it (relative to the working directory)."""
-    return (cwd or Path.cwd()) / Path(str(OmegaConf.select(cfg, "trainer.default_local_dir"))).expanduser()
+    return Path.cwd() / Path(str(OmegaConf.select(cfg, "trainer.default_local_dir"))).expanduser()
 
 
-def plan_resume(cfg: Any, cwd: Path | None = None, run: dict | None = None) -> ResumePlan:
-    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder: half-written checkpoints
-    skipped, the newest complete one verified (docs/internals.md, "The respo-verl trainer and its checkpoints"); with
-    ``trainer.resume_mode=resume_path``, verify the checkpoint it names when it has a marker. ``run``: the run's
-    :func:`identity` when the caller took it earlier (the trainer, before verl adds its own keys to the
-    configuration); by default it is taken from ``cfg``.
+def plan_resume(cfg: Any, run: dict | None = None) -> ResumePlan:
+    """Decide the resume of a ``trainer.resume_mode=auto`` run from its checkpoint folder, or verify the checkpoint
+    ``trainer.resume_mode=resume_path`` names (docs/internals.md, "The respo-verl trainer and its checkpoints").
+    ``run``: the run's :func:`identity` when the caller took it earlier (the trainer, before verl adds its own keys
+    to the configuration); by default it is taken from ``cfg``.
 
     Raises:
-        CheckpointError: the newest complete checkpoint belongs to another configuration, or one of its files is
-            missing, truncated, changed or unreadable (the message names the override that resumes from the newest
-            intact checkpoint before it).
+        CheckpointError: the checkpoint belongs to another configuration or is damaged (one line: what to do).
     """
-    folder = checkpoint_folder(cfg, cwd)
+    folder = checkpoint_folder(cfg)
     mode = str(OmegaConf.select(cfg, "trainer.resume_mode", default="auto"))
     if mode == "resume_path":
         named = OmegaConf.select(cfg, "trainer.resume_from_path")
-        path = (cwd or Path.cwd()) / Path(str(named)).expanduser() if named else None  # an absolute path stays
+        path = Path.cwd() / Path(str(named)).expanduser() if named else None  # an absolute path stays
         if path is not None and (path / MARKER).is_file() and (problem := marker_problem(path)[0]):
             raise CheckpointError(
                 f"DAMAGED CHECKPOINT {path} (trainer.resume_from_path): {problem}; name another checkpoint"

@@ -1,12 +1,10 @@
 """Hydra composition of a job exactly as either entry point composes it, without running it (``--cfg job`` in-process).
 
 The one place that composes job configs: the planner, the sweep, the experiment adapter, the benchmarks and the
-tests all come here. Composing does not import verl. ``respo_trainer.yaml`` reaches verl's configs through
-``pkg://verl.trainer.config``, and Hydra resolves a ``pkg://`` path by importing the package, i.e. running
-``verl/__init__.py`` (about 8 s of imports: torch, ray, transformers, verl's plugins). The files are plain YAML, so
-this module locates verl's config folder with :func:`importlib.util.find_spec` on the top-level ``verl`` package
-(which finds the package without executing it) and hands Hydra the same folder as a ``file://`` path. The composed
-job is identical; only the import is avoided.
+tests all come here. Composing does not import verl: Hydra resolves ``respo_trainer.yaml``'s
+``pkg://verl.trainer.config`` by importing verl (about 8 s), so verl's config folder is found with
+:func:`importlib.util.find_spec`, which does not execute the package, and handed to Hydra as a ``file://`` path; the
+composed job is identical (docs/internals.md, "The planner's start-up time").
 """
 
 from __future__ import annotations

@@ -45,29 +45,9 @@ WARNINGS_KEY = "respo_verl/guard_warnings"
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """The ``run_guard`` node (defaults: configs/respo_verl/run_guard.yaml; validated here).
-
-    Attributes:
-        enable: run the guards, the liveness check and the watchdog's bounds at all.
-        max_failed_share: the largest share of a step's samples whose reward or rollout failed (replaced by
-            padding, or evicted and generated again) that the run tolerates; 0 stops at the first failure.
-        max_clamp_share: the largest share of sequences with log W at the clamp (±log_w_clip) tolerated in a step.
-        min_entropy: entropy below this counts as collapsed ...
-        collapse_steps: ... when, in as many consecutive steps, no group carries a signal (all advantages 0).
-        max_stall_s: the watchdog's bound on generation and validation: no sample finished for this long (counted
-            from the phase's start or the last finished sample) stops the run (exit 5).
-        max_stall_after_stop_s: the watchdog's bound on any phase once SIGTERM has asked the run to stop, counted
-            from the later of the request and the last progress: the run ends without saving (exit 6); a step that
-            makes progress still saves at its end.
-        max_phase_s: the watchdog's bound on every other phase of a step (old log-probs, the update, the weight
-            sync, the save, ...): nothing ends and nothing progresses for this long (exit 7;
-            :class:`respo_verl.run.watchdog.Watchdog`).
-        sampler_agreement: ``stop``, ``warn`` or ``off``: the sampler-agreement guard (module docstring).
-        max_probs_diff_max: the largest ``training/rollout_probs_diff_max`` tolerated (None: not checked).
-        max_probs_diff_mean: the largest ``training/rollout_probs_diff_mean`` tolerated (None: not checked).
-        routing_replay: ``stop``, ``warn`` or ``off``: the routing-replay guard (module docstring).
-        max_route_reject_share: under R3, the largest share of a layer's replayed tokens whose route the trainer's
-            router rejects at ``compute_log_prob`` (the layer's ``flip_frac`` there).
+    """The ``run_guard`` node (defaults here, validated here). Each key, its bound and why: the comments of
+    configs/respo_verl/run_guard.yaml, docs/cluster.md ("Run guards", "Exit status") and docs/internals.md (the
+    watchdog's bounds). ``enable`` turns the guards, the liveness check and the watchdog's bounds off together.
     """
 
     enable: bool = True
@@ -119,11 +99,8 @@ def check_guards(cfg: Any) -> GuardConfig:
 
 
 class StepGuards:
-    """The guards of :class:`GuardConfig` over a run's steps (pure: metrics in, :class:`RunStopped` out).
-
-    :attr:`checks` holds one method per guard, each ``(metrics, step) -> None``, raising :class:`RunStopped`; a
-    further guard on a step's metrics is one more method added to that list.
-    """
+    """The guards of :class:`GuardConfig` over a run's steps (pure: metrics in, :class:`RunStopped` out; the module
+    docstring says how a check is written and added to :attr:`checks`)."""
 
     def __init__(self, config: GuardConfig, replay: str = "off") -> None:
         """``replay``: the run's routing replay mode (:func:`respo_verl.routing.mode.replay_mode`: off, r2, r3)."""
@@ -150,9 +127,9 @@ class StepGuards:
             metrics.update({f"{WARNINGS_KEY}/{name}": float(count) for name, count in self.warnings.items()})
             metrics[WARNINGS_KEY] = float(sum(self.warnings.values()))
 
-    def _trip(self, guard: str, mode: str, message: str) -> None:
-        """Stop with ``message``, or (``mode`` warn) print it as one line and count it."""
-        if mode == "stop":
+    def _trip(self, guard: str, message: str) -> None:
+        """Stop with ``message``, or (``run_guard.<guard>=warn``) print it as one line and count it."""
+        if getattr(self.config, guard) == "stop":
             raise RunStopped(message)
         self.warnings[guard] = self.warnings.get(guard, 0) + 1
         print(f"respo-verl: WARNING: run_guard.{guard}=warn: {message}", flush=True)
@@ -179,7 +156,6 @@ class StepGuards:
             if value is None:
                 self._trip(
                     "routing_replay",
-                    mode,
                     f"step {step}: router_replay.mode={verl} but {key} is missing: the route-drift "
                     f"engine did not run (select it with routing={self.replay}), so replay is "
                     "unchecked",
@@ -187,7 +163,6 @@ class StepGuards:
             elif value <= 0:
                 self._trip(
                     "routing_replay",
-                    mode,
                     f"step {step}: {key}={value:g} with router_replay.mode={verl}: the {name} pass "
                     f"replayed no route; {source} were missing or all zero (a sampler that returns no routes, e.g. "
                     "a MoE kernel that skips vLLM's capture hook), and the trainer routed on its own",
@@ -207,7 +182,6 @@ class StepGuards:
             if value is not None and value > bound:
                 self._trip(
                     "sampler_agreement",
-                    c.sampler_agreement,
                     f"step {step}: {key}={value:.3g} > run_guard.{name}={bound:g}: the sampler's token probabilities "
                     "disagree with the trainer's before its first update of the step; usually the weights did not "
                     "all reach the sampler (names its loader skipped, a failed sync), or sampler and trainer compute "
@@ -227,7 +201,6 @@ class StepGuards:
         if share > bound:
             self._trip(
                 "routing_replay",
-                mode,
                 f"step {step}: layer {layer}: {share:.3f} of the replayed tokens' routes are not the trainer's "
                 f"router's top-k at compute_log_prob ({prefix}{layer}) > run_guard.max_route_reject_share={bound:g}: "
                 "the sampler's routes belong to other weights or another model",

@@ -61,11 +61,7 @@ def trainer_hooks(logger: Any, after_log: Any, buffer: Any, reorder: Any) -> Pat
 
 def in_prompt_order(batch, prompt_order: dict[str, int]):
     """``batch`` (a TransferQueue ``KVBatchMeta`` of the train partition) with its samples, and their tags, sorted
-    by the data loader's position of their prompt (``prompt_order``: uid -> position), then by session and index.
-
-    verl's keys are ``{uid}_{session_id}_{index}``; a key of another form, or a prompt the data loader never gave,
-    is an error that names it.
-    """
+    by the data loader's position of their prompt (``prompt_order``: uid -> position), then by session and index."""
 
     def rank(key: str) -> tuple[int, int, int]:
         parts = key.split("_")
@@ -85,7 +81,6 @@ def phase_timers(enter_phase: Any) -> Patch:
     :data:`TIMED_PHASES`)."""
 
     def install(patch: Patch) -> None:
-
         for name in TIMED_MODULES:
             module = importlib.import_module(name)
             timer = module.marked_timer

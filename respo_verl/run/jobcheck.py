@@ -34,11 +34,8 @@ class ModelCheckError(ValueError):
 
 
 def check_job(cfg: Any, layout: bool = True) -> None:
-    """Raise ValueError with one line naming the key for a job (``cfg``, as ``--cfg job`` prints it) that cannot run:
-    kernel hyperparameters out of the ranges of :mod:`respo_verl.core.config`, the ``run_guard`` node, routing replay
-    off Megatron, a rollout batch that is not a whole number of mini-batches (the layout rule ``batch-mini`` on its
-    own), ``ray_kwargs.task_runner_resources`` and, with ``layout`` (the planner applies them itself), the layout
-    rules (:func:`check_layout_rules`)."""
+    """Raise ValueError with one line naming the key for a job (``cfg``, as ``--cfg job`` prints it) that cannot run;
+    the layout rules only with ``layout`` (the planner applies them itself), the layout rule ``batch-mini`` always."""
     _check_kernel_hyperparameters(cfg)
     check_guards(cfg)
     _check_routing(cfg)

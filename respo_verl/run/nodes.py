@@ -1,9 +1,8 @@
 """Where a run's roles are on a Ray cluster, what every node must see, and the line for a node that went away.
 
 The roles (the trainer, each update worker rank, each rollout server, ...) are read from Ray's actor table, which
-keeps an actor's node after it died: that table is the placement record. The node preflight
-(:func:`respo_verl.run.preflight.check_ray_nodes`) takes :func:`shared_folders`: a marker with a fresh token that the
-driver writes into the checkpoint root, and the data files with their sizes, which every node must see as it does.
+keeps an actor's node after it died: that table is the placement record. What every node must see, for the node
+preflight (:func:`respo_verl.run.preflight.check_ray_nodes`): :func:`shared_folders`.
 """
 
 from __future__ import annotations
@@ -114,8 +113,8 @@ def _reachable(node: dict) -> bool:
 def lost_node_stop(exc: BaseException, step: int | None, job: str | None = None) -> NodeLost | None:
     """The stop for a run that ended with a Ray actor error (or an :class:`ActorDied`) because a node that held
     roles of ``job`` went away: the node (address, Ray node id), its roles and ``step`` (default: the step the
-    trainer's :class:`ActorDied` names). None for any other error,
-    when Ray is not connected, or when every node of the job is there."""
+    trainer's :class:`ActorDied` names). None for any other error, when Ray is not connected, or when every node of
+    the job is there."""
     import ray
 
     chain = causes(exc)

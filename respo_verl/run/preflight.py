@@ -81,10 +81,8 @@ def check_ray_nodes(
     folders: SharedFolders | None = None,
 ) -> list[dict]:
     """Run :func:`_probe` once on every alive Ray node and return its results; raise RuntimeError naming each node
-    that does not see ``folders`` (:func:`respo_verl.run.nodes.shared_folders`: the driver's marker, removed
-    afterwards, and the data files), where the probe cannot run or does not answer within ``timeout_s``, where our
-    registrations are missing, or where one of ``requirements`` is missing, one line per missing piece: ``node
-    <address> (<host>): <package>: <why>; needed by <config key>``."""
+    where it fails, does not answer within ``timeout_s`` or finds something missing (one line per missing piece).
+    The driver's marker of ``folders`` (:func:`respo_verl.run.nodes.shared_folders`) is removed afterwards."""
     probe = ray.remote(num_cpus=0)(_probe)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     shipped = tuple(requirements)

@@ -102,10 +102,7 @@ def names_folder(proc: psutil.Process, folder: str) -> bool:
 def reap(recorded: Iterable[psutil.Process], session_dir: str | None) -> tuple[int, int]:
     """Stop the recorded processes still alive, those naming ``session_dir`` and all their descendants: SIGTERM,
     then SIGKILL for whatever is left after :data:`TERM_GRACE_S` or started meanwhile, all within
-    :data:`TERM_GRACE_S` + :data:`KILL_WAIT_S`.
-
-    Returns (processes stopped, of which by SIGKILL).
-    """
+    :data:`TERM_GRACE_S` + :data:`KILL_WAIT_S`. Returns (processes stopped, of which by SIGKILL)."""
     recorded = list(recorded)
     me = os.getpid()
     stopped: dict[int, psutil.Process] = {}  # every process signalled, by pid
@@ -196,11 +193,7 @@ def watch(driver: psutil.Process | None, session_dir: str | None) -> tuple[int, 
 
 
 def watch_driver(session_dir: str | None, driver_pid: int | None = None) -> subprocess.Popen:
-    """Start the reaper for ``driver_pid`` (default: this process) and the Ray session folder ``session_dir``.
-
-    The reaper runs in a session of its own, with no stdin or stdout; its stderr is the caller's, where it says
-    what it stopped.
-    """
+    """Start the reaper for ``driver_pid`` (default: this process) and the Ray session folder ``session_dir``."""
     pid = os.getpid() if driver_pid is None else int(driver_pid)
     driver = find(pid)
     if driver is None:

@@ -1,11 +1,9 @@
 """What a composed job needs installed on every node, and which of it the current process lacks.
 
-:func:`job_requirements` reads the composed configuration (an OmegaConf node) and imports nothing: the planner
-prints its result (``respo-verl plan``), and the per-node preflight (:mod:`respo_verl.run.preflight`) ships it to
-every Ray node, where :func:`check_missing` imports each piece. Each requirement names the config key (with its
-value) that makes the job need it, so that a missing piece can be fixed either way: install it, or change the key.
-Which key needs what is the table of docs/gpu.md, "The preflight: what every node must have"; where verl 0.9.1,
-megatron-core 0.16.1 and Transformer Engine decide it is said next to each requirement below.
+:func:`job_requirements` reads the composed configuration and imports nothing; :func:`check_missing` imports each
+piece where it runs (docs/gpu.md, "The preflight: what every node must have"). Each requirement names the key that
+makes the job need it, so that a missing piece can be fixed either way: install it, or change the key; where verl
+0.9.1, megatron-core 0.16.1 and Transformer Engine decide it is said next to each requirement below.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,22 +35,13 @@ ROLLOUT_PACKAGES = {"vllm": ("vllm", "vLLM"), "sglang": ("sglang", "SGLang")}
 
 @dataclass(frozen=True)
 class Requirement:
-    """One piece a job needs on every node.
+    """One piece a job needs on every node."""
 
-    Attributes:
-        module: the import name (``deep_ep``, ``megatron.bridge``); for a GPU requirement, ``torch``.
-        why_key: the config key, with its value, that makes the job need it.
-        package: what to install, in words (``DeepEP``, ``Megatron-Bridge``).
-        alternatives: further import names, any one of which satisfies the requirement in place of ``module``.
-        gpus: for ``trainer.device=cuda``: the CUDA GPUs each node must show (``torch.cuda.device_count()``);
-            0 for a package.
-    """
-
-    module: str
-    why_key: str
-    package: str
-    alternatives: tuple[str, ...] = ()
-    gpus: int = 0
+    module: str  # the import name (deep_ep, megatron.bridge); for a GPU requirement, torch
+    why_key: str  # the config key, with its value, that makes the job need it
+    package: str  # what to install, in words (DeepEP, Megatron-Bridge)
+    alternatives: tuple[str, ...] = ()  # further import names, any one of which satisfies it in place of module
+    gpus: int = 0  # trainer.device=cuda: the CUDA GPUs each node must show (torch.cuda.device_count()); 0: a package
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -73,7 +63,7 @@ def _select(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _megatron_requirements(cfg: Any, cuda: bool) -> list[Requirement]:
+def _megatron_requirements(cfg: Any, cuda: bool) -> Iterator[Requirement]:
     """What a Megatron job needs (none for another engine); NVIDIA Apex is not among it: megatron-core falls back to
     torch where Apex is absent (``megatron/core/optimizer/``, docs/gpu.md, "The preflight: what every node must have").
     """
@@ -82,18 +72,16 @@ def _megatron_requirements(cfg: Any, cuda: bool) -> list[Requirement]:
     elif _select(cfg, "actor_rollout_ref.actor.strategy") == MEGATRON:
         engine_key = "actor_rollout_ref.actor.strategy=megatron"
     else:
-        return []
-    reqs = [Requirement("megatron.core", engine_key, "megatron-core")]
+        return
+    yield Requirement("megatron.core", engine_key, "megatron-core")
     if cuda:
         # mbridge builds every layer with get_gpt_decoder_block_spec(..., use_transformer_engine=True)
         # (mbridge/core/llm_bridge.py); verl's Megatron-Bridge path asks for AttnBackend.flash, which is TE's
         # DotProductAttention.
-        reqs.append(
-            Requirement(
-                "transformer_engine",
-                f"{engine_key} with trainer.device=cuda (mbridge and Megatron-Bridge build Transformer Engine layers)",
-                "Transformer Engine",
-            )
+        yield Requirement(
+            "transformer_engine",
+            f"{engine_key} with trainer.device=cuda (mbridge and Megatron-Bridge build Transformer Engine layers)",
+            "Transformer Engine",
         )
     nodes = [ACTOR_MG]  # and the reference model's, when it is a Megatron one too
     if _select(cfg, "actor_rollout_ref.ref.strategy") == MEGATRON and _select(cfg, REF_MG) is not None:
@@ -103,34 +91,29 @@ def _megatron_requirements(cfg: Any, cuda: bool) -> list[Requirement]:
         # Megatron-Bridge (verl/models/mcore/bridge.py); verl 0.9.1's engine asserts use_mbridge.
         vanilla = str(_select(cfg, f"{node}.vanilla_mbridge", False)).lower() == "true"
         if vanilla:
-            reqs.append(Requirement("mbridge", f"{node}.vanilla_mbridge=true", "mbridge"))
+            yield Requirement("mbridge", f"{node}.vanilla_mbridge=true", "mbridge")
         else:
-            reqs.append(Requirement("megatron.bridge", f"{node}.vanilla_mbridge=false", "Megatron-Bridge"))
+            yield Requirement("megatron.bridge", f"{node}.vanilla_mbridge=false", "Megatron-Bridge")
         tf = f"{node}.{TF_CONFIG}"
         dispatcher = _select(cfg, f"{tf}.moe_token_dispatcher_type")
         if dispatcher == "flex":  # either flex backend: moe/fused_a2a.py imports deep_ep.Buffer and HybridEPBuffer
             backend = _select(cfg, f"{tf}.moe_flex_dispatcher_backend", "deepep")
-            reqs.append(
-                Requirement(
-                    "deep_ep",
-                    f"{tf}.moe_token_dispatcher_type=flex (moe_flex_dispatcher_backend={backend})",
-                    "DeepEP",
-                )
+            yield Requirement(
+                "deep_ep",
+                f"{tf}.moe_token_dispatcher_type=flex (moe_flex_dispatcher_backend={backend})",
+                "DeepEP",
             )
         default_backend = MBRIDGE_DEFAULT_ATTENTION_BACKEND if vanilla else BRIDGE_DEFAULT_ATTENTION_BACKEND
         attention = _select(cfg, f"{tf}.attention_backend", default_backend)
         # With flash, megatron-core sets NVTE_FLASH_ATTN=1, NVTE_FUSED_ATTN=0, NVTE_UNFUSED_ATTN=0 (language_module.py),
         # and TE's get_attention_backend drops a backend whose package is not installed: nothing would be left.
         if cuda and str(attention).lower().removeprefix("attnbackend.") == "flash":
-            reqs.append(
-                Requirement(
-                    "flash_attn",
-                    f"{tf}.attention_backend=flash (Transformer Engine's flash backend)",
-                    "flash-attn",
-                    alternatives=("flash_attn_3",),
-                )
+            yield Requirement(
+                "flash_attn",
+                f"{tf}.attention_backend=flash (Transformer Engine's flash backend)",
+                "flash-attn",
+                alternatives=("flash_attn_3",),
             )
-    return reqs
 
 
 def job_requirements(cfg: Any) -> list[Requirement]:
@@ -147,7 +130,7 @@ def job_requirements(cfg: Any) -> list[Requirement]:
     if rollout in ROLLOUT_PACKAGES:
         module, package = ROLLOUT_PACKAGES[rollout]
         reqs.append(Requirement(module, f"{ROLLOUT_NAME}={rollout}", package))
-    megatron = _megatron_requirements(cfg, cuda)
+    megatron = list(_megatron_requirements(cfg, cuda))
     reqs.extend(megatron)
     if not megatron:  # FSDP: HFModelConfig's attention implementation
         set_attn = _select(cfg, ATTN_IMPLEMENTATION)

@@ -1,7 +1,5 @@
-"""The respo-verl trainer class: verl 0.9.1's ``PPOTrainerSync`` with checkpoints that know their run
-(:mod:`respo_verl.run.checkpoint`), a log that keeps every step, the stop on request, samples in the data loader's
-order, the guards (:mod:`respo_verl.run.guards`; a guard's stop logs its step first, marked ``respo_verl/stopped`` =
-1), the phase record of the driver's watchdog and the liveness of the actors a step waits on. Every stop is a
+"""The respo-verl trainer class: verl 0.9.1's ``PPOTrainerSync`` with the additions of
+docs/internals.md, "The respo-verl trainer and its checkpoints"; every stop is a
 :class:`respo_verl.run.stops.RunStopped`. Imports verl: only the registration
 (:data:`respo_verl.run.trainer.REGISTRATION`) imports this module, once verl has imported its V1 trainers.
 
@@ -46,7 +44,7 @@ from respo_verl.run.stops import (
     RunStopped,
     stop_for_error,
 )
-from respo_verl.run.watchdog import STOP, NullBoard, PhaseBoard, Records
+from respo_verl.run.watchdog import STOP, PhaseBoard, Records
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ class RespoTrainer(PPOTrainerSync):
         self._run = checkpoint.identity(config)
         self._records = Records()
         # The phase of the step for the driver's watchdog (respo_verl.run.watchdog).
-        self._board = PhaseBoard(self._records) if guard.enable else NullBoard()
+        self._board = PhaseBoard(self._records if guard.enable else None)
         self._prompt_order: dict[str, int] = {}  # uid -> position, for the train prompts not yet sampled
         self._prompts_fetched = 0
         self._sample_wait: SampleWait | None = None

@@ -169,13 +169,9 @@ def stop_for_error(exc: BaseException, step: int) -> RunStopped | None:
 
 
 def stop_of(exc: BaseException, prog: str) -> Stop:
-    """The one line and exit status for ``exc``, an exception that ended the run in the driver.
-
-    A :class:`RunStopped` anywhere in the chain: its message, its status. A Ray ``ActorDiedError`` (a process died
-    where the trainer did not watch, the TaskRunner itself among them): the dead actor and Ray's cause, status
-    :data:`EXIT_ACTOR_DIED`. Anything else: its type and first line, status :data:`EXIT_ERROR` (the caller shows
-    its traceback after the line).
-    """
+    """The one line and exit status for ``exc``, an exception that ended the run in the driver: a
+    :class:`RunStopped` anywhere in its chain, else a dead Ray actor (the TaskRunner among them), else an error the
+    run does not know, whose traceback the caller shows after the line (docs/cluster.md, "Exit status")."""
     chain = causes(exc)
     # innermost first: Ray's wrappers are instances of the class they wrap too, with its traceback as their text
     for inner in reversed(chain):

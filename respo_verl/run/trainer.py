@@ -12,10 +12,6 @@ from respo_verl.patches import Patch
 
 TRAINER_MODE = "respo_sync"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_sync"
-
-__all__ = ["REGISTRATION", "TRAINER_MODE"]
-
-
 CLASS_MODULE = "respo_verl.run.respo_trainer"
 
 

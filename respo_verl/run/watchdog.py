@@ -66,9 +66,10 @@ def folder_bytes(folder: str | None) -> int:
 class PhaseBoard:
     """The trainer's side of the watchdog: the phase record, rewritten whole on each change (a phase begins or
     ends, a poll of the sample wait, the folder being saved grew). ``seq`` counts the changes that are progress;
-    ``detail`` (the sample wait's counts) may change without progress."""
+    ``detail`` (the sample wait's counts) may change without progress. Without ``records`` (a run without the
+    watchdog, ``run_guard.enable=false``) it records nothing."""
 
-    def __init__(self, records: Records) -> None:
+    def __init__(self, records: Records | None = None) -> None:
         self.records = records
         self.current: dict[str, Any] = {}
         self.seq = 0
@@ -96,7 +97,7 @@ class PhaseBoard:
         """Run ``phase`` of ``step``; with ``folder``, a save: each growth of its bytes is progress."""
         self.enter(step, phase, waits_on)
         done = threading.Event()
-        if folder is not None:
+        if folder is not None and self.records is not None:
             size = folder_bytes(folder)
 
             def measure() -> None:
@@ -117,29 +118,14 @@ class PhaseBoard:
         with self._lock:
             self.seq += advanced
             self.current = record
-            self.records.put(PHASE, {**record, "seq": self.seq, "pid": os.getpid()})
-
-
-class NullBoard:
-    """The phase record of a run without the watchdog (``run_guard.enable=false``): it records nothing."""
-
-    def enter(self, step: int, phase: str, waits_on: str) -> None: ...
-    def pause(self, why: str) -> None: ...
-    def progress(self, detail: str | None = None, advanced: bool = True) -> None: ...
-    def end(self) -> None: ...
-
-    @contextmanager
-    def phase(self, step: int, phase: str, waits_on: str, folder: str | None = None) -> Iterator[None]:
-        yield
+            if self.records is not None:
+                self.records.put(PHASE, {**record, "seq": self.seq, "pid": os.getpid()})
 
 
 class Watchdog:
-    """The driver's side: the trainer's phase record read every :data:`PHASE_CHECK_INTERVAL_S`; when its progress
-    count has not changed for the phase's bound, by the driver's own clock, the run stops (:meth:`stop_for`). Nothing
-    is measured before the trainer's first record, nor while a record says it is not watched. With ``guard.enable``
-    false it bounds nothing and only carries the stop request (:meth:`request_stop`) to the trainer. ``trace``: a
-    file to which each changed record is appended, as a JSON line with ``at``, the driver's monotonic clock (the
-    entry point's ``RESPO_VERL_WATCHDOG_TRACE``: what the watchdog saw of a hang)."""
+    """The driver's side (module docstring); with ``guard.enable`` false it only carries the stop request to the
+    trainer. ``trace``: a file to which each changed record is appended, as a JSON line with ``at``, the driver's
+    monotonic clock (the entry point's ``RESPO_VERL_WATCHDOG_TRACE``: what the watchdog saw of a hang)."""
 
     def __init__(
         self,

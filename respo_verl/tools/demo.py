@@ -102,11 +102,6 @@ def command(algorithm: str, reuse: int, steps: int, experiment: str, overrides: 
     ]
 
 
-def loss_name(algorithm: str) -> str:
-    """The metric prefix of ``algorithm``'s loss diagnostics (``actor/<name>/...``)."""
-    return {"respo": "respo", "vespo": "vespo"}.get(algorithm, algorithm)
-
-
 def starvation(data: dict, loss: str) -> dict[str, float] | None:
     """The step's starvation figures from its logged counts: the share of positives with log W < −1, the mean φ
     they get (NaN without any), and their share of the gradient mass; None when the loss logs no counts."""
@@ -172,10 +167,12 @@ def follow(process: subprocess.Popen, log: Path, steps: int, loss: str = "respo"
         time.sleep(POLL_S)
 
 
-def run_record(log: Path, algorithm: str, reuse: int, steps: int, cmd: list[str]):
+def write_manifest(log: Path, algorithm: str, reuse: int, steps: int, cmd: list[str]) -> Path:
+    """The ``--quick`` run's manifest, beside its log, for the report."""
     from respo_verl.tools.runs.manifest import RunRecord
+    from respo_verl.tools.runs.manifest import write_manifest as write
 
-    return RunRecord(
+    record = RunRecord(
         name=log.stem,
         algorithm=algorithm,
         reuse=reuse,
@@ -187,12 +184,7 @@ def run_record(log: Path, algorithm: str, reuse: int, steps: int, cmd: list[str]
         source="verl",
         log_step="training",
     )
-
-
-def write_manifest(log: Path, algorithm: str, reuse: int, steps: int, cmd: list[str]) -> Path:
-    from respo_verl.tools.runs.manifest import write_manifest as write
-
-    return write([run_record(log, algorithm, reuse, steps, cmd)], log.parent)
+    return write([record], log.parent)
 
 
 def _run(cmd: list[str], env: dict, log: Path, trainer_log: Path, steps: int, loss: str, label: str | None) -> bool:
@@ -241,7 +233,7 @@ def quick(args: argparse.Namespace) -> int:
     trainer_log = args.out / "main_ppo.log"
     print(f"verl's main_ppo on CPU: {' '.join(['python', *cmd[1:]])}\n(verl's output: {trainer_log}; log: {log})")
     started = time.perf_counter()
-    if not _run(cmd, env, log, trainer_log, steps, loss_name(args.algorithm), None):
+    if not _run(cmd, env, log, trainer_log, steps, args.algorithm, None):
         return 1
     print(f"{steps} steps in {time.perf_counter() - started:.0f} s", flush=True)
     write_manifest(log, args.algorithm, reuse, steps, cmd)
@@ -316,7 +308,7 @@ def follow_sweep(sweep: subprocess.Popen, records: list, out: Path) -> None:
         log, offset = log_path(record, out), 0
         while True:
             finished = sweep.poll() is not None or is_complete(record, out)
-            offset, _ = _print_new(log, offset, record.last_log_step, loss_name(record.algorithm), record.algorithm)
+            offset, _ = _print_new(log, offset, record.last_log_step, record.algorithm, record.algorithm)
             if finished:
                 break
             time.sleep(POLL_S)
@@ -441,9 +433,6 @@ def plot_mechanism(runs: dict[str, tuple[Path, Path]], path: Path) -> list[str]:
     import matplotlib.pyplot as plt
     import torch
 
-    from respo_verl.core.config import ReSPOConfig, VESPOConfig
-    from respo_verl.core.kernels import respo_phi, vespo_phi
-
     sequences = stale_sequences([trace for _, trace in runs.values()])
     panels = (
         ("positives", True, (-5.0, 1.0), "φ₊"),
@@ -454,12 +443,11 @@ def plot_mechanism(runs: dict[str, tuple[Path, Path]], path: Path) -> list[str]:
     for ax, (group, positive, (lo, hi), symbol) in zip(axes, panels, strict=True):
         log_w = sequences[group]
         hi = hi if positive else max(hi, max(log_w, default=hi) + 0.25)  # every negative of the tail on the panel
-        grid = torch.linspace(lo, hi, 301, dtype=torch.float64)
-        branch = torch.full_like(grid, positive, dtype=torch.bool)
-        curves = {"respo": respo_phi(grid, branch, ReSPOConfig()), "vespo": vespo_phi(grid, branch, VESPOConfig())}
+        grid = torch.linspace(lo, hi, 301, dtype=torch.float64).tolist()
+        curves = both_kernels(grid, positive)
         phi = both_kernels(log_w, positive)
         for method, (name, color, line) in style.items():
-            ax.plot(grid.tolist(), curves[method].tolist(), line, color=color, lw=1.2, label=f"{name} {symbol}")
+            ax.plot(grid, curves[method], line, color=color, lw=1.2, label=f"{name} {symbol}")
         for w, a, b in zip(log_w, phi["respo"], phi["vespo"], strict=True):
             ax.plot([w, w], [a, b], color="0.8", lw=0.5, zorder=1)
         for method, (_, color, _) in style.items():

@@ -23,7 +23,7 @@ from respo_verl.run.guards import GuardConfig
 from respo_verl.run.launch import PROG
 from respo_verl.run.liveness import WORKER_CHECK_INTERVAL_S, SampleWait, watched_actors
 from respo_verl.run.stops import EXIT_ACTOR_DIED, ActorDied, stop_of
-from respo_verl.run.watchdog import STOP, NullBoard, PhaseBoard, Records, Watchdog
+from respo_verl.run.watchdog import STOP, PhaseBoard, Records, Watchdog
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_an_agent_loop_worker_that_dies_mid_rollout_is_found_by_the_periodic_che
     clock = Clock()
     buffer = ReplayBuffer("sync", {}, None, "drop", {}, poll_interval=0.0, refill_fn=None)
     buffer.running_keys["train"].update({"uid-a", "uid-b"})
-    watch = SampleWait(actors, NullBoard(), clock=clock)
+    watch = SampleWait(actors, PhaseBoard(), clock=clock)
     watch.begin(4)
     clock.now += WORKER_CHECK_INTERVAL_S
     watch.check(buffer, "train")  # both alive: the check passes

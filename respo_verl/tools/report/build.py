@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from respo_verl.tools.report.analysis import NAME_EXAMPLES, RunSummary, gap_points, summarise_groups, summarise_run
-from respo_verl.tools.report.render import markdown_report, plot_gap, plot_scores, plot_starved_mass, plots_section
-from respo_verl.tools.report.routing import group_routing, plot_routing, routing_section, run_routing
+from respo_verl.tools.report.render import markdown_report, plots_section, write_plots
+from respo_verl.tools.report.routing import group_routing, routing_section, run_routing
 from respo_verl.tools.runs.logs import LogError, RunLog, read_log
 from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, read_manifest
 from respo_verl.tools.runs.stats import REWARD_RANGES, SCORE_KEY
@@ -146,13 +146,8 @@ def build_report(
     outputs = [out / "report.md"]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if plots and groups:
-            outputs += plot_scores(groups, out)
-            outputs += plot_starved_mass(groups, out)
-        if plots and (gap_plot := plot_gap(gap[0], out)) is not None:
-            outputs.append(gap_plot)
-        if plots and (routing_plot := plot_routing(routing, out)) is not None:
-            outputs.append(routing_plot)
+        if plots:
+            outputs += write_plots(groups, gap[0], routing, out)
         text += plots_section([p.name for p in outputs[1:]])
         outputs[0].write_text(text)
     except OSError as exc:

@@ -19,16 +19,8 @@ from respo_verl.tools.report.analysis import (
     RunSummary,
     format_lr,
 )
-from respo_verl.tools.report.routing import ROUTING_PLOT, ROUTING_PLOT_LEGEND
+from respo_verl.tools.report.routing import FLIP, ROUTING_PLOT, ROUTING_PLOT_LEGEND, GroupRouting
 from respo_verl.tools.runs.stats import EARLY_WINDOW, LATE_WINDOW
-
-
-def _order(algorithm: str) -> int:
-    return algorithms.order(algorithm)
-
-
-def _display(algorithm: str) -> str:
-    return algorithms.display_name(algorithm)
 
 
 def _pct(x: float | None, digits: int = 2) -> str:
@@ -41,8 +33,8 @@ def late_score_table(groups: list[GroupSummary]) -> str:
     cells = {(g.algorithm, g.reuse): g for g in groups}
     header = "| method | " + " | ".join(f"N = {n}" for n in reuses) + " |"
     lines = [header, "|---|" + "---|" * len(reuses)]
-    for algorithm in sorted({g.algorithm for g in groups}, key=_order):
-        row = [_display(algorithm)]
+    for algorithm in sorted({g.algorithm for g in groups}, key=algorithms.order):
+        row = [algorithms.display_name(algorithm)]
         for n in reuses:
             g = cells.get((algorithm, n))
             if g is None:
@@ -110,9 +102,9 @@ def detail_table(groups: list[GroupSummary]) -> str:
     starved = [STARVED_MASS_COLUMNS[m] for m in STARVED_MASS_MEASURES]
     header = ["method", "N", "seeds", "late", *starved, "early", "AUC", "resp. length", *val_keys]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for g in sorted(groups, key=lambda g: (g.reuse, _order(g.algorithm))):
+    for g in sorted(groups, key=lambda g: (g.reuse, algorithms.order(g.algorithm))):
         row = [
-            _display(g.algorithm),
+            algorithms.display_name(g.algorithm),
             str(g.reuse),
             _seeds_cell(g.runs),
             _pct(g.late_mean),
@@ -139,7 +131,7 @@ STARVED_MASS_LEGEND = (
 
 def _baseline_legend(groups: list[GroupSummary], runs: list[RunSummary]) -> str:
     """The legend's sentence on the difference to the baseline: said only where a baseline group exists."""
-    base = _display(algorithms.BASELINE)
+    base = algorithms.display_name(algorithms.BASELINE)
     with_base = sorted({g.reuse for g in groups if g.algorithm == algorithms.BASELINE})
     if not with_base:
         if any(r.algorithm == algorithms.BASELINE for r in runs):
@@ -156,20 +148,21 @@ def _baseline_legend(groups: list[GroupSummary], runs: list[RunSummary]) -> str:
 
 
 def gap_table(points: list[GapPoint]) -> str:
-    base = _display(algorithms.BASELINE)
+    base = algorithms.display_name(algorithms.BASELINE)
     mass = STARVED_MASS_COLUMNS[INDEPENDENT]
     header = ["method", "N", "lr", f"{mass} (%)", f"gap to {base} (pp)", f"{base}'s {mass} (%)", "seeds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for p in points:
-        cells = [_display(p.algorithm), str(p.reuse), format_lr(p.lr).removeprefix("lr "), _pct(p.starved_mass, 1)]
-        cells += [f"{p.gap_pp:+.2f}", _pct(p.baseline_starved_mass, 1), f"{p.seeds} / {p.baseline_seeds} ({base})"]
+        cells = [algorithms.display_name(p.algorithm), str(p.reuse), format_lr(p.lr).removeprefix("lr ")]
+        cells += [_pct(p.starved_mass, 1), f"{p.gap_pp:+.2f}", _pct(p.baseline_starved_mass, 1)]
+        cells.append(f"{p.seeds} / {p.baseline_seeds} ({base})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def gap_section(points: list[GapPoint], left_out: list[str], runs: list[RunSummary]) -> list[str]:
     """The markdown of the late-score gap against the method-independent starved mass (:func:`gap_points`)."""
-    base = _display(algorithms.BASELINE)
+    base = algorithms.display_name(algorithms.BASELINE)
     parts = ["## Late-score gap against starved mass", ""]
     if not any(r.algorithm == algorithms.BASELINE for r in runs):
         return [*parts, f"No {base} run was found, so there is no gap to {base} to plot against starved mass."]
@@ -190,7 +183,7 @@ def gap_section(points: list[GapPoint], left_out: list[str], runs: list[RunSumma
 PLOT_LEGENDS = {
     STARVED_MASS_PLOTS[INDEPENDENT]: "the method-independent starved mass share against optimizer update, per N",
     STARVED_MASS_PLOTS[LOSS_OWN]: "the loss's own starved mass share against optimizer update, per N",
-    GAP_PLOT: f"late-score gap to {_display(algorithms.BASELINE)} against the method-independent "
+    GAP_PLOT: f"late-score gap to {algorithms.display_name(algorithms.BASELINE)} against the method-independent "
     "starved mass share, per (method, N, learning rate)",
     ROUTING_PLOT: ROUTING_PLOT_LEGEND,
 }
@@ -307,10 +300,19 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> Path | None:
+    """Write ``fig`` to ``path`` and close it; None (nothing written) when there is no figure."""
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
 def _draw(ax, bands: dict[tuple[str, int], Band], scale: float) -> None:
-    for (algorithm, _), band in sorted(bands.items(), key=lambda kv: _order(kv[0][0])):
+    for (algorithm, _), band in sorted(bands.items(), key=lambda kv: algorithms.order(kv[0][0])):
         color = algorithms.get(algorithm).color
-        label = f"{_display(algorithm)} ({band.seeds} seed{'s' if band.seeds > 1 else ''})"
+        label = f"{algorithms.display_name(algorithm)} ({band.seeds} seed{'s' if band.seeds > 1 else ''})"
         ax.plot(band.steps, [scale * v for v in band.mean], color=color, lw=1.4, label=label)
         if band.seeds > 1:
             ax.fill_between(
@@ -327,7 +329,7 @@ ZERO_PLOT_TOP = 1.0
 
 
 def _start_at_zero(axes) -> None:
-    """Start the y-axis of ``axes`` (one figure's, possibly shared) at 0: both plotted quantities are shares in
+    """Start the y-axis of ``axes`` (one figure's, possibly shared) at 0: every plotted quantity is a share in
     [0, 100] %, and a curve that is 0 throughout would otherwise get a symmetric, partly negative axis. Called after
     every panel is drawn, so that shared axes keep the top that fits all of them."""
     highest = max(ax.dataLim.ymax for ax in axes)
@@ -345,19 +347,6 @@ def score_figure(groups: list[GroupSummary], reuse: int):
     ax.set_title(f"N = {reuse}: mean over seeds, band ± 1 std")
     fig.tight_layout()
     return fig
-
-
-def plot_scores(groups: list[GroupSummary], out_dir: Path) -> list[Path]:
-    """One PNG per N (``score_n<N>.png``)."""
-    plt = _pyplot()
-    paths = []
-    for reuse in sorted({g.reuse for g in groups}):
-        fig = score_figure(groups, reuse)
-        path = out_dir / f"score_n{reuse}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
-    return paths
 
 
 STARVED_MASS_TITLES = {
@@ -388,20 +377,6 @@ def starved_mass_figure(groups: list[GroupSummary], measure: str):
     return fig
 
 
-def plot_starved_mass(groups: list[GroupSummary], out_dir: Path) -> list[Path]:
-    """One PNG per measure some run logs (:data:`STARVED_MASS_PLOTS`)."""
-    paths = []
-    for measure in STARVED_MASS_MEASURES:
-        fig = starved_mass_figure(groups, measure)
-        if fig is None:
-            continue
-        path = out_dir / STARVED_MASS_PLOTS[measure]
-        fig.savefig(path, dpi=120)
-        _pyplot().close(fig)
-        paths.append(path)
-    return paths
-
-
 # Marker shapes by algorithm, in table order: a point's algorithm is legible without colour.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
@@ -413,14 +388,14 @@ def gap_figure(points: list[GapPoint]):
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for algorithm in sorted({p.algorithm for p in points}, key=_order):
+    for algorithm in sorted({p.algorithm for p in points}, key=algorithms.order):
         mine = [p for p in points if p.algorithm == algorithm]
         ax.scatter(
             [100.0 * p.starved_mass for p in mine],
             [p.gap_pp for p in mine],
             color=algorithms.get(algorithm).color,
-            marker=MARKERS[_order(algorithm) % len(MARKERS)],
-            label=_display(algorithm),
+            marker=MARKERS[algorithms.order(algorithm) % len(MARKERS)],
+            label=algorithms.display_name(algorithm),
             zorder=3,
         )
         for p in mine:
@@ -431,7 +406,7 @@ def gap_figure(points: list[GapPoint]):
                 xytext=(4, 4),
                 fontsize=7,
             )
-    base = _display(algorithms.BASELINE)
+    base = algorithms.display_name(algorithms.BASELINE)
     ax.axhline(0.0, color="black", lw=0.8, alpha=0.6)
     ax.set_xlabel(
         f"method-independent starved mass share (%) ({INDEPENDENT_STARVED_MASS_KEY}),\n"
@@ -445,12 +420,42 @@ def gap_figure(points: list[GapPoint]):
     return fig
 
 
-def plot_gap(points: list[GapPoint], out_dir: Path) -> Path | None:
-    """``gap_vs_starved_mass.png``, or None without points."""
-    fig = gap_figure(points)
-    if fig is None:
+def routing_figure(groups: list[GroupRouting]):
+    """Flip share (%) against j: one panel per algorithm, one line per N (a bucket at its middle index); None when
+    no group has per-update values."""
+    curves = [g for g in groups if g.by_update.get(FLIP)]
+    if not curves:
         return None
-    path = out_dir / GAP_PLOT
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
-    return path
+    plt = _pyplot()
+    methods = sorted({g.algorithm for g in curves}, key=algorithms.order)
+    fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), squeeze=False, sharey=True)
+    reuses = sorted({g.reuse for g in curves})
+    cmap = plt.get_cmap("viridis")
+    for ax, algorithm in zip(axes[0], methods):
+        for g in (g for g in curves if g.algorithm == algorithm):
+            spans = sorted(g.by_update[FLIP])
+            xs = [(lo + hi) / 2 for lo, hi in spans]
+            ys = [100.0 * g.by_update[FLIP][s] for s in spans]
+            color = cmap(reuses.index(g.reuse) / max(1, len(reuses) - 1) * 0.85)
+            seeds = len([r for r in g.runs if FLIP in r.by_update])
+            ax.plot(
+                xs, ys, marker="o", ms=3, lw=1.4, color=color, label=f"N = {g.reuse} ({seeds} seed{'s' * (seeds > 1)})"
+            )
+        ax.set_title(algorithms.display_name(algorithm))
+        ax.set_xlabel("update index j on the rollout batch (R2: j updates stale)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _start_at_zero(axes[0])
+    axes[0][0].set_ylabel("route flip share (%)\n(token, layer) pairs, late in the run")
+    fig.tight_layout()
+    return fig
+
+
+def write_plots(
+    groups: list[GroupSummary], points: list[GapPoint], routing: list[GroupRouting], out_dir: Path
+) -> list[Path]:
+    """The report's plots that have something to show, written to ``out_dir`` (:data:`PLOT_LEGENDS`)."""
+    paths = [_save(score_figure(groups, n), out_dir / f"score_n{n}.png") for n in sorted({g.reuse for g in groups})]
+    paths += [_save(starved_mass_figure(groups, m), out_dir / STARVED_MASS_PLOTS[m]) for m in STARVED_MASS_MEASURES]
+    paths += [_save(gap_figure(points), out_dir / GAP_PLOT), _save(routing_figure(routing), out_dir / ROUTING_PLOT)]
+    return [path for path in paths if path is not None]

@@ -21,7 +21,6 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from respo_verl import algorithms
 from respo_verl.routing.diagnostics import BY_UPDATE, parse_update_label
@@ -186,53 +185,3 @@ def routing_section(groups: list[GroupRouting], without: Sequence[str]) -> list[
     if without:
         lines += ["", f"No routing metrics in: {', '.join(sorted(without))}."]
     return [*lines, ""]
-
-
-def routing_figure(groups: list[GroupRouting]):
-    """Flip share (%) against j: one panel per algorithm, one line per N (a bucket at its middle index); None when
-    no group has per-update values."""
-    curves = [g for g in groups if g.by_update.get(FLIP)]
-    if not curves:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = sorted({g.algorithm for g in curves}, key=algorithms.order)
-    fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), squeeze=False, sharey=True)
-    reuses = sorted({g.reuse for g in curves})
-    cmap = plt.get_cmap("viridis")
-    for ax, algorithm in zip(axes[0], methods):
-        for g in (g for g in curves if g.algorithm == algorithm):
-            spans = sorted(g.by_update[FLIP])
-            xs = [(lo + hi) / 2 for lo, hi in spans]
-            ys = [100.0 * g.by_update[FLIP][s] for s in spans]
-            color = cmap(reuses.index(g.reuse) / max(1, len(reuses) - 1) * 0.85)
-            seeds = len([r for r in g.runs if FLIP in r.by_update])
-            ax.plot(
-                xs, ys, marker="o", ms=3, lw=1.4, color=color, label=f"N = {g.reuse} ({seeds} seed{'s' * (seeds > 1)})"
-            )
-        ax.set_title(algorithms.display_name(algorithm))
-        ax.set_xlabel("update index j on the rollout batch (R2: j updates stale)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    highest = max(ax.dataLim.ymax for ax in axes[0])
-    for ax in axes[0]:
-        ax.set_ylim(0.0, ax.get_ylim()[1] if highest > 0 else 1.0)
-    axes[0][0].set_ylabel("route flip share (%)\n(token, layer) pairs, late in the run")
-    fig.tight_layout()
-    return fig
-
-
-def plot_routing(groups: list[GroupRouting], out_dir: Path) -> Path | None:
-    """:data:`ROUTING_PLOT` in ``out_dir``, or None without per-update values."""
-    fig = routing_figure(groups)
-    if fig is None:
-        return None
-    import matplotlib.pyplot as plt
-
-    path = out_dir / ROUTING_PLOT
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

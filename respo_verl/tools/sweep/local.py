@@ -1,21 +1,9 @@
 """The local executor of ``respo-verl sweep --out DIR``: the sweep's runs one after another on this machine.
 
-- A run whose log is complete is skipped; any other run is started with its manifest command and environment. Each
-  run's stdout and stderr go to ``<name>.out`` beside its log (:func:`output_path`), every attempt appended after a
-  header line, never to the terminal; the terminal shows the progress line (:mod:`respo_verl.tools.sweep.progress`).
-- A run that ends without a complete log (an exit status other than 0, a signal, a run guard that stopped it) is
-  reported with its name, how it ended, the last lines of its output and where the whole output is, and the sweep
-  goes on with the next run. :func:`summary` is the line the sweep ends with.
-- Interrupting the sweep (Ctrl-C, SIGTERM) sends the running run SIGTERM, which with the respo-verl trainer saves a
-  checkpoint at the end of the current step and ends the run (docs/cluster.md); the sweep waits for that and ends
-  without starting another run. A second interrupt kills the run at once. When the sweep itself is killed
-  (SIGKILL), the run gets SIGTERM from the kernel (Linux ``PR_SET_PDEATHSIG``) and saves the same way.
-- The folder is locked (:data:`LOCK_NAME`, ``flock``) for as long as the sweep or its running run lives: the run
-  holds the lock too, so a sweep started again while the run of a killed sweep still saves waits for it, and a
-  second sweep started while another one runs in the folder is refused. Started again with the same command, the
-  sweep skips the complete runs and the interrupted one resumes through verl's resume from its own checkpoint folder
-  (``trainer.default_local_dir``, one per run, set by the sweep); its appending log keeps every step once
-  (:mod:`respo_verl.tools.runs.logs`).
+Each run's output goes to ``<name>.out`` beside its log (:func:`output_path`), a failed run is reported
+(:func:`failure_report`) and the sweep goes on, an interrupt makes the running run save and stop, and the folder is
+locked (:data:`LOCK_NAME`) while the sweep or its run lives. How, and why:
+docs/internals.md, "The sweep run here: progress, interruption, locks".
 """
 
 from __future__ import annotations
@@ -225,19 +213,20 @@ def _ended(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def _tail(path: Path, offset: int) -> list[str]:
+def _read_from(path: Path, offset: int) -> str:
     with path.open("rb") as fh:
         fh.seek(offset)
-        text = fh.read().decode(errors="replace")
-    lines = [line[:TAIL_WIDTH] for line in text.splitlines() if line.strip()]
-    return lines[-TAIL_LINES:]
+        return fh.read().decode(errors="replace")
 
 
-def failure_report(record: RunRecord, how: str, logged: int, output: Path, offset: int) -> str:
-    """The report of a failed run: its name, how it ended, the last lines of its output, where all of it is."""
-    tail = _tail(output, offset)
+def failure_report(
+    record: RunRecord, how: str, logged: int, text: str, output: Path, source: str = "its output"
+) -> str:
+    """The report of a failed run (both executors'): its name, how it ended, the last lines of ``text`` (its output,
+    as ``source`` names it), and ``output``, the file that holds all of it."""
+    tail = [line[:TAIL_WIDTH] for line in text.splitlines() if line.strip()][-TAIL_LINES:]
     lines = [f"run {record.name} failed: {how}, {logged} of {record.last_log_step} steps logged"]
-    lines += ["  the last lines of its output:", *(f"  | {line}" for line in tail)] if tail else ["  no output"]
+    lines += [f"  the last lines of {source}:", *(f"  | {line}" for line in tail)] if tail else ["  no output"]
     lines.append(f"  full output: {output}")
     return "\n".join(lines)
 
@@ -289,7 +278,7 @@ def _run_one(
             Status.INTERRUPTED,
             f"interrupted ({how}) with {logged} of {steps} steps logged; the same command resumes it",
         )
-    progress.write(failure_report(record, how, logged, output, offset_run))
+    progress.write(failure_report(record, how, logged, _read_from(output, offset_run), output))
     progress.drop(steps - logged)
     return Outcome(record.name, Status.FAILED, f"failed: {how}, {logged} of {steps} steps logged")
 
@@ -303,13 +292,7 @@ def run_locally(records: list[RunRecord], out_dir: Path, stream=None, interactiv
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     logged = {r.name: logged_steps(r, out_dir) for r in records}
-    progress = SweepProgress(
-        total_steps=sum(r.last_log_step for r in records),
-        done_steps=sum(logged.values()),
-        runs=len(records),
-        stream=stream,
-        interactive=interactive,
-    )
+    progress = SweepProgress(records, sum(logged.values()), stream, interactive)
     interrupts = _Interrupts(progress.write)
     outcomes: list[Outcome] = []
     try:

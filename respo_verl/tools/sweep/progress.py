@@ -14,6 +14,8 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from respo_verl.tools.runs.manifest import RunRecord
+
 BAR_FORMAT = "{desc} | {n_fmt} of {total_fmt} steps of the sweep | {elapsed} elapsed, ~{remaining} left"
 # A non-terminal gets a line at least this often, so that a log shows the sweep is alive during a run's start-up.
 QUIET_REFRESH_S = 60.0
@@ -23,32 +25,26 @@ class SweepProgress:
     """Progress over the training steps of every run of a sweep.
 
     Args:
-        total_steps: the planned steps of every run of the sweep, summed.
+        records: the runs of the sweep, whose planned steps are its total.
         done_steps: those already logged when the sweep starts (complete runs, the logged part of partial ones);
             the remaining time is estimated from the steps made after them.
-        runs: the number of runs of the sweep.
         stream: where the line goes (default stdout).
         interactive: redraw in place; default: whether ``stream`` is a terminal.
     """
 
     def __init__(
-        self,
-        total_steps: int,
-        done_steps: int,
-        runs: int,
-        stream: TextIO | None = None,
-        interactive: bool | None = None,
+        self, records: list[RunRecord], done_steps: int, stream: TextIO | None = None, interactive: bool | None = None
     ) -> None:
         self.stream = sys.stdout if stream is None else stream
         self.interactive = self.stream.isatty() if interactive is None else interactive
-        self.total, self.initial, self.runs = total_steps, done_steps, runs
+        self.total, self.initial, self.runs = sum(r.last_log_step for r in records), done_steps, len(records)
         self.done = done_steps
-        self.desc = f"{runs} runs"
+        self.desc = f"{self.runs} runs"
         self.started = time.monotonic()
         self._printed: tuple[str, int] | None = None
         self._printed_at = 0.0
         self._bar = (
-            tqdm(total=total_steps, initial=done_steps, bar_format=BAR_FORMAT, file=self.stream, desc=self.desc)
+            tqdm(total=self.total, initial=done_steps, bar_format=BAR_FORMAT, file=self.stream, desc=self.desc)
             if self.interactive
             else None
         )

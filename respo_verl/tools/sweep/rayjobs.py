@@ -1,19 +1,10 @@
 """The Ray executor of ``respo-verl sweep --ray ADDRESS``: each incomplete run as one Ray job, through Ray's Job
 Submission SDK (``ray.job_submission.JobSubmissionClient``; the address is the cluster's dashboard).
 
-- A job's entrypoint is the run's manifest line with its environment in front
-  (``VERL_FILE_LOGGER_PATH=... python -m ...``, :func:`respo_verl.tools.sweep.runner.shell_line`), not a job
-  ``runtime_env``: verl's driver calls ``ray.init`` with a runtime env that carries the driver's own ``VERL_*``
-  variables, and Ray refuses to merge a job's runtime env holding the same keys.
-- Every job carries the run's name and the sweep's folder in its metadata, and a submission id
-  ``<run>-<folder digest>-<attempt>``. A run with a PENDING or RUNNING job of this folder is not submitted again; two
-  sweeps that submit the same attempt at once collide on the submission id, which Ray refuses for the second.
-- Without ``--no-wait`` the sweep waits for its runs' jobs with a progress line (runs done, running with their step,
-  failed, of all), reports each job that ended without a complete log (its id, status, Ray's message and the last
-  lines of ``ray job logs``), appends each ended job's output to ``<out>/logs/<name>.out`` and ends with the same
-  summary line as the local executor. The manifest and the logs are where the local executor puts them, so
-  ``respo-verl report`` reads either; the logs are written by the jobs, so ``--out`` must be on storage the cluster
-  writes (the sweep reads the current step from them).
+A job's entrypoint is the run's manifest line with its environment in front (``runner.shell_line``), not a job
+``runtime_env``: verl's driver calls ``ray.init`` with a runtime env that carries its own ``VERL_*`` variables, and
+Ray refuses to merge a job's runtime env holding the same keys. Submission ids, waiting, reports and logs:
+docs/comparing.md, "`respo-verl sweep`: the grid as verl runs" (As Ray jobs).
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from respo_verl.tools.runs.manifest import RunRecord
-from respo_verl.tools.sweep.local import TAIL_LINES, TAIL_WIDTH, logged_steps, output_path
+from respo_verl.tools.sweep.local import failure_report, logged_steps, output_path
 from respo_verl.tools.sweep.progress import SweepProgress
 from respo_verl.tools.sweep.runner import ClusterError, Outcome, Status, is_complete, shell_line
 
@@ -136,31 +127,12 @@ def _save_output(client, record: RunRecord, out_dir: Path, job_id: str) -> tuple
     return path, text
 
 
-def failure_report(record: RunRecord, job, logged: int, text: str, output: Path) -> str:
-    """A failed job: the run, the job id, its status and Ray's message, the last lines of ``ray job logs``."""
-    lines = [line[:TAIL_WIDTH] for line in text.splitlines() if line.strip()][-TAIL_LINES:]
-    message = f" ({job.message.strip().splitlines()[0]})" if (job.message or "").strip() else ""
-    report = [
-        f"run {record.name} failed: job {job.submission_id} {_status(job)}{message}, "
-        f"{logged} of {record.last_log_step} steps logged"
-    ]
-    report += [f"  the last lines of `ray job logs {job.submission_id}`:", *(f"  | {line}" for line in lines)]
-    report.append(f"  full output: {output}")
-    return "\n".join(report)
-
-
 def wait_for_runs(
     records: list[RunRecord], out_dir: Path, client, job_ids: dict[str, str], stream=None, interactive=None
 ) -> list[Outcome]:
     """Wait for the jobs of ``job_ids`` with a progress line; one outcome per run of ``records``."""
     by_name = {r.name: r for r in records}
-    progress = SweepProgress(
-        total_steps=sum(r.last_log_step for r in records),
-        done_steps=sum(logged_steps(r, out_dir) for r in records),
-        runs=len(records),
-        stream=stream,
-        interactive=interactive,
-    )
+    progress = SweepProgress(records, sum(logged_steps(r, out_dir) for r in records), stream, interactive)
     ended: dict[str, Outcome] = {}
     try:
         while True:
@@ -179,7 +151,9 @@ def wait_for_runs(
                     progress.write(f"{name}: job {job_id} succeeded")
                 else:
                     ended[name] = Outcome(name, Status.FAILED, f"failed: job {job_id} {_status(job)}")
-                    progress.write(failure_report(record, job, logged, text, output))
+                    message = f" ({job.message.strip().splitlines()[0]})" if (job.message or "").strip() else ""
+                    how, source = f"job {job_id} {_status(job)}{message}", f"`ray job logs {job_id}`"
+                    progress.write(failure_report(record, how, logged, text, output, source))
                     progress.drop(record.last_log_step - logged)
             done = sum(o.status is Status.RAN for o in ended.values()) + sum(
                 is_complete(r, out_dir) for r in records if r.name not in job_ids

@@ -8,7 +8,8 @@ import pytest
 from support.report_logs import write_routing_log
 
 from respo_verl.tools.report.build import build_report
-from respo_verl.tools.report.routing import ROUTING_PLOT, group_routing, routing_figure, run_routing
+from respo_verl.tools.report.render import routing_figure
+from respo_verl.tools.report.routing import ROUTING_PLOT, group_routing, run_routing
 from respo_verl.tools.runs.logs import read_log
 
 HEADER = "| method | N | seeds | late steps | flip, j = 0 | flip, last j | last j |"
