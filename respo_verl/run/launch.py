@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from respo_verl.data.check import check_data
 from respo_verl.run.jobcheck import check_machine, check_model, task_runner_resources
@@ -30,15 +30,9 @@ _WATCHDOG = None  # the watchdog (respo_verl.run.watchdog.Watchdog) of this driv
 
 def with_driver_hooks(runner_cls, config: DictConfig):
     """A stand-in for a TaskRunner actor class that, once Ray is up and right before the runner starts, runs the node
-    preflight and installs the SIGTERM handler (:func:`stop_on_sigterm`; here, because ``ray.init`` installs Ray's
-    own handler, which aborts the driver).
-
-    The preflight checks on every node that this package is registered there, that what the job needs
-    (:func:`respo_verl.run.requirements.job_requirements`: rollout engine, Megatron stack, DeepEP, CUDA GPUs)
-    imports there, and that it sees the checkpoint root and the data files as the driver does
-    (:func:`respo_verl.run.nodes.shared_folders`); a failure ends the run with exit 2 and one line per problem,
-    before any model is loaded.
-    """
+    preflight (:func:`respo_verl.run.preflight.check_ray_nodes`: a failure is exit 2, before any model loads), starts
+    the watchdog and installs the SIGTERM handler (here, because ``ray.init`` installs Ray's own, which aborts the
+    driver)."""
     import ray
 
     from respo_verl.run.nodes import shared_folders
@@ -91,11 +85,9 @@ def stop_local_ray_with_driver():
     return _REAPER
 
 
-def start_watchdog(config: DictConfig):
+def start_watchdog(config: DictConfig) -> None:
     """With the respo-verl trainer, start the watchdog in this driver (:class:`respo_verl.run.watchdog.Watchdog`):
-    it reads the trainer's phase record every 2 s through Ray and, when a phase has made no progress for its bound
-    (with the run guards on), interrupts the driver's wait for the trainer; the entry point then prints the stop's
-    line and exits with its status. It also carries the SIGTERM stop request to the trainer. Returns it, or None."""
+    on a stall it interrupts the driver's wait for the trainer, and :func:`train` prints the stop's line."""
     import _thread
     import os
 
@@ -104,7 +96,7 @@ def start_watchdog(config: DictConfig):
 
     global _WATCHDOG
     if not uses_respo_trainer(config):
-        return None
+        return
     records = Records()
     for name in (PHASE, STOP):  # a record of an earlier driver of this job (a resubmitted Ray job)
         records.delete(name)
@@ -112,7 +104,6 @@ def start_watchdog(config: DictConfig):
     _WATCHDOG = Watchdog(records, GuardConfig.from_config(config.get("run_guard")), trace=trace)
     interruptible_main()
     _WATCHDOG.start(on_stop=_thread.interrupt_main)
-    return _WATCHDOG
 
 
 def interruptible_main() -> None:
@@ -127,16 +118,12 @@ def interruptible_main() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def stop_on_sigterm() -> bool:
-    """Turn SIGTERM (Slurm's ``--signal``, a Kubernetes eviction) into a request to save and stop.
-
-    With the respo-verl trainer (its watchdog started, :func:`start_watchdog`), the handler asks the watchdog to
-    send the stop request to the trainer through Ray; the trainer, in its Ray actor, saves a checkpoint at the end of
-    the step it is in and ends the run, and this process exits 0. Any other trainer keeps Python's default (the
-    process ends at once). Returns whether the handler was installed.
-    """
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (Slurm's ``--signal``, a Kubernetes eviction) into a request to save and stop: with the watchdog
+    started, it carries the request to the trainer, which saves at the end of its step and ends the run (exit 0).
+    Any other trainer keeps Python's default (the process ends at once)."""
     if _WATCHDOG is None:
-        return False
+        return
 
     def _request_stop(signum, frame):
         _WATCHDOG.request_stop()
@@ -149,12 +136,9 @@ def stop_on_sigterm() -> bool:
         )
 
     signal.signal(signal.SIGTERM, _request_stop)
-    return True
 
 
 def uses_respo_trainer(config: DictConfig) -> bool:
-    from omegaconf import OmegaConf
-
     from respo_verl.run.trainer import TRAINER_MODE
 
     use_v1 = config.get("trainer", {}).get("use_v1", True)
@@ -173,8 +157,6 @@ def check_resume(config: DictConfig) -> None:
 def check_trainer(config: DictConfig) -> None:
     """Refuse verl's legacy trainer while the run guards are on: none of the respo-verl trainer's additions apply to
     it (verl 0.9.1 deprecates it too), so a run would silently go without them."""
-    from omegaconf import OmegaConf
-
     if not OmegaConf.select(config, "trainer.use_v1", default=True) and OmegaConf.select(
         config, "run_guard.enable", default=False
     ):
