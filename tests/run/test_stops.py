@@ -11,7 +11,9 @@ tests/cpu/test_cpu_hangs.py.
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import time
 from pathlib import Path
 
@@ -116,13 +118,15 @@ def test_after_the_stop_line_ray_echoes_no_log_or_error_of_its_workers(capsys, m
     from respo_verl.run.launch import end_ray_echo
 
     monkeypatch.setattr(ray_worker, "_worker_logs_enabled", True)  # restored after the test: this process's Ray
-    logged = {"lines": ["Traceback (most recent call last):"], "pid": 7, "ip": "127.0.0.2", "is_err": True}
+    # A word of letters only of this test's own: Ray holds back a line it saw lately (its words with digits dropped).
+    tag = "".join(random.choices(string.ascii_lowercase, k=16))
+    logged = {"lines": [f"Traceback (most recent call last): {tag}"], "pid": 7, "ip": "127.0.0.2", "is_err": True}
     logged.update(job="01000000", actor_name="WorkerDict", task_name="")
-    error = {"lines": ["Raylet is terminated"], "pid": "raylet", "is_err": False}
+    error = {"lines": [f"Raylet is terminated {tag}"], "pid": "raylet", "is_err": False}
     for data in (logged, error):
         ray_worker.print_to_stdstream(dict(data), ignore_prefix=False)
     seen = capsys.readouterr()
-    assert "Traceback" in seen.err and "Raylet is terminated" in seen.out, seen
+    assert f"Traceback (most recent call last): {tag}" in seen.err and f"Raylet is terminated {tag}" in seen.out, seen
     end_ray_echo()
     for data in (logged, error):
         ray_worker.print_to_stdstream(dict(data), ignore_prefix=False)
