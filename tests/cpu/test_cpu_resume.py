@@ -97,6 +97,7 @@ def _final_weights(folder: Path, step: int) -> dict:
 
 
 DETERMINISTIC = "actor_rollout_ref.rollout.full_determinism=true"
+REAPER = "-m respo_verl.run.reaper"  # in the reaper's command line (respo_verl.run.reaper.watch_driver)
 
 
 # Rollout reuse N of the uninterrupted run and of the runs resumed against it.
@@ -146,7 +147,8 @@ def _assert_resumed_exactly(run: Path, reference: Path, resumed_from: int) -> No
 def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float = 600) -> dict:
     """Run ``command`` and SIGKILL its driver as soon as ``marker`` exists; then wait up to the reaper's bound for
     every process of the driver's tree (recorded with psutil right before the kill: Ray's GCS, raylet, agents and
-    workers, verl's TaskRunner among them) and every process naming the run's Ray temp dir to be gone.
+    workers, verl's TaskRunner among them) and every process naming the run's Ray temp dir to be gone, and up to
+    twice the bound for the reaper itself.
 
     Returns what the driver had logged at the kill, the processes recorded, those left after the bound, and the
     output (the reaper writes its line there after the kill)."""
@@ -168,12 +170,23 @@ def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float
             driver = psutil.Process(proc.pid)
             tree = {p.pid: p for p in [*driver.children(recursive=True), *procs.naming(ray_tmp)] if p.pid != proc.pid}
             described = {pid: " ".join(p.cmdline())[:120] for pid, p in tree.items()}
+            # The reaper is the driver's child and names the session, but is no process of it: it ends once it has
+            # stopped them, after the bound's last wait (a loaded machine adds its scans of the process table).
+            reapers = [p for pid, p in tree.items() if REAPER in described[pid]]
+            tree = {pid: p for pid, p in tree.items() if p not in reapers}
             proc.kill()
             proc.wait()
             killed = time.monotonic()
             left = {p.pid: described[p.pid] for p in procs.wait_gone(tree.values(), REAP_BOUND_S)}
-            left.update({p.pid: " ".join(p.cmdline())[:120] for p in procs.naming(ray_tmp) if procs.running(p)})
+            left.update(
+                {
+                    p.pid: " ".join(p.cmdline())[:120]
+                    for p in procs.naming(ray_tmp)
+                    if procs.running(p) and p not in reapers
+                }
+            )
             gone_after = time.monotonic() - killed
+            reaper_left = procs.wait_gone(reapers, 2 * REAP_BOUND_S - (time.monotonic() - killed))
             time.sleep(1)  # the reaper's line, written as it ends
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -182,6 +195,8 @@ def _kill_after(tmp_path: Path, command: list[str], marker: Path, timeout: float
         "recorded": described,
         "left": left,
         "gone_after": gone_after,
+        "reapers": len(reapers),
+        "reaper_left": [p.pid for p in reaper_left],
         "out": out_path.read_text(errors="replace"),
     }
 
@@ -295,6 +310,7 @@ def test_sigkill_after_a_periodic_checkpoint_ray_is_gone_and_the_relaunch_resume
     names = " | ".join(killed["recorded"].values())
     assert "raylet" in names and "gcs_server" in names and "ray::TaskRunner" in names, names
     assert not killed["left"], (f"left {killed['gone_after']:.1f} s after SIGKILL", killed["left"])
+    assert killed["reapers"] == 1 and not killed["reaper_left"], killed
     assert "respo-verl reaper: driver" in killed["out"], killed["out"][-3000:]
     # The marker is written after the step's line: a complete checkpoint's step is in the log.
     assert killed["logged"][:3] == [1, 2, 3], killed["logged"]
