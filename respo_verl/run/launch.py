@@ -193,6 +193,7 @@ def train(config: DictConfig, check_loss=None) -> None:
         runner_cls = TaskRunnerV1
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
+    global _WATCHDOG
     try:
         run_ppo(config, task_runner_class=with_driver_hooks(runner_cls, config))
     except (KeyboardInterrupt, Exception) as exc:  # the watchdog interrupts the wait for the trainer (as Ctrl-C does)
@@ -209,16 +210,11 @@ def train(config: DictConfig, check_loss=None) -> None:
             raise
         raise SystemExit(stop.status) from None
     finally:
-        _wind_down(ray)
-
-
-def _wind_down(ray) -> None:
-    global _WATCHDOG
-    if _WATCHDOG is not None:
-        _WATCHDOG.close()
-        _WATCHDOG = None
-    if ray.is_initialized():
-        ray.shutdown()
+        if _WATCHDOG is not None:
+            _WATCHDOG.close()
+            _WATCHDOG = None
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def end_ray_echo() -> None:
