@@ -245,3 +245,18 @@ def local_model_config(model_path: str) -> Path | None:
 
     found = try_to_load_from_cache(model_path, "config.json")
     return Path(found) if isinstance(found, str) else None  # None, or a marker that the hub has no such file
+
+
+def job_model_shape(cfg) -> ModelShape | None:
+    """The shape of a composed job's model (``actor_rollout_ref.model.path``) from its ``config.json`` on this machine
+    (:func:`local_model_config`), or None: unknown here, an interpolation unresolved here (an environment
+    variable), or not a shape the rules read."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        raw = OmegaConf.select(cfg, "actor_rollout_ref.model.path", default=None)
+        config = local_model_config(str(raw)) if raw is not None else None
+        return shape_from_hf_config(config) if config is not None else None
+    except (OmegaConfBaseException, ModelConfigError):
+        return None

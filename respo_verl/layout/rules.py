@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from respo_verl.layout.models import ModelShape
-from respo_verl.layout.parallel import Layout
+from respo_verl.layout.models import ModelShape, job_model_shape
+from respo_verl.layout.parallel import Layout, layout_from_config
 from respo_verl.routing.mode import REPLAY_KEY, verl_mode
 
 MG = "actor_rollout_ref.actor.megatron"
@@ -41,6 +41,13 @@ def reuse_violation(train_batch_size: int, mini_batch_size: int) -> Violation | 
         f"data.train_batch_size={train} is not a whole number of mini-batches of "
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} (N = {train / max(mini, 1):g}): make it a multiple",
     )
+
+
+def reuse_of(train_batch_size: int, mini_batch_size: int) -> int:
+    """N, the optimizer updates per rollout batch; ValueError with the ``batch-mini`` message where it is no integer."""
+    if violation := reuse_violation(int(train_batch_size), int(mini_batch_size)):
+        raise ValueError(violation.message)
+    return int(train_batch_size) // int(mini_batch_size)
 
 
 def replay_violation(m: ModelShape, replay: str) -> Violation | None:
@@ -313,3 +320,11 @@ def check_layout(m: ModelShape | None, lay: Layout, batch: bool = True) -> list[
         return sizes
     rules = _megatron_rules(m, lay) if lay.backend == "megatron" else _fsdp_rules(m, lay)
     return [*rules, *(_batch_rules(lay) if batch else ()), *_rollout_rules(m, lay)]
+
+
+def check_job_layout(cfg) -> list[Violation]:
+    """:func:`check_layout` of a composed job, before anything starts: the rules on how batches split are left to
+    verl's ``validate_config`` (``--cfg job`` prints verl's default job, which sets no micro-batch size); those on
+    the model's shape apply where its ``config.json`` is on this machine
+    (:func:`respo_verl.layout.models.job_model_shape`)."""
+    return check_layout(job_model_shape(cfg), layout_from_config(cfg), batch=False)

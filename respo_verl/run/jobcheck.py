@@ -15,12 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from respo_verl.core.config import CONFIG_BLOCKS
-from respo_verl.layout.models import ModelConfigError, local_model_config, shape_from_hf_config
-from respo_verl.layout.parallel import layout_from_config
-from respo_verl.layout.rules import check_layout, reuse_violation
+from respo_verl.layout.rules import check_job_layout, reuse_of
 from respo_verl.routing.mode import REPLAY_KEY, replay_mode, verl_mode
 from respo_verl.run.guards import check_guards
 
@@ -41,8 +38,11 @@ def check_job(cfg: Any, layout: bool = True) -> None:
     _check_routing(cfg)
     _check_reuse(cfg)
     task_runner_resources(cfg)
-    if layout:
-        check_layout_rules(cfg)
+    if layout and (violations := check_job_layout(cfg)):
+        raise ValueError(
+            f"layout: {len(violations)} rule(s) that megatron-core, vLLM or verl would enforce only after Ray starts: "
+            + "; ".join(map(str, violations))
+        )
 
 
 def task_runner_resources(cfg: Any) -> dict[str, float]:
@@ -59,31 +59,6 @@ def task_runner_resources(cfg: Any) -> dict[str, float]:
             "e.g. {trainer_node: 1}"
         )
     return {str(k): float(v) for k, v in resources.items()}
-
-
-def check_layout_rules(cfg: Any) -> None:
-    """Raise ValueError with one line that lists, rule by rule, what megatron-core, vLLM or verl would refuse in the
-    job's parallel layout (:func:`respo_verl.layout.rules.check_layout`). The rules on how batches split are left to
-    verl's ``validate_config`` (``--cfg job`` prints verl's default job, which sets no micro-batch size); those on the
-    model's shape apply where its ``config.json`` is on this machine (:func:`_model_shape`)."""
-    violations = check_layout(_model_shape(cfg), layout_from_config(cfg), batch=False)
-    if violations:
-        raise ValueError(
-            f"layout: {len(violations)} rule(s) that megatron-core, vLLM or verl would enforce only after Ray starts: "
-            + "; ".join(map(str, violations))
-        )
-
-
-def _model_shape(cfg: Any):
-    """The model's shape from its ``config.json`` on this machine (a local folder, or a hub id in the local Hugging
-    Face cache: :func:`respo_verl.layout.models.local_model_config`), or None (unknown, or not a shape the rules
-    read)."""
-    try:
-        raw = OmegaConf.select(cfg, MODEL_PATH, default=None)
-        config = local_model_config(str(raw)) if raw is not None else None
-        return shape_from_hf_config(config) if config is not None else None
-    except (OmegaConfBaseException, ModelConfigError):  # an interpolation unresolved here (an environment variable)
-        return None
 
 
 def check_model(cfg: Any) -> None:
@@ -122,8 +97,7 @@ def _check_reuse(cfg: Any) -> None:
     mini = OmegaConf.select(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", default=None)
     if not isinstance(train, int) or not isinstance(mini, int) or isinstance(train, bool):
         return
-    if violation := reuse_violation(train, mini):
-        raise ValueError(violation.message)
+    reuse_of(train, mini)
 
 
 def _check_kernel_hyperparameters(cfg: Any) -> None:

@@ -15,18 +15,12 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
+from respo_verl.layout.rules import reuse_of
+from respo_verl.routing.mode import REPLAY_MODES, mode_of
+
 NAMESPACE = "respo_verl"
 # verl's loss name -> the algorithm preset that selects it (the name runs carry).
 ALGORITHM_OF_LOSS = {"respo": "respo", "vespo": "vespo", "vanilla": "grpo", "gspo": "gspo"}
-
-
-def _reuse(train_batch_size, mini_batch_size) -> int:
-    from respo_verl.layout.rules import reuse_violation
-
-    train, mini = int(train_batch_size), int(mini_batch_size)
-    if violation := reuse_violation(train, mini):
-        raise ValueError(violation.message)
-    return train // mini
 
 
 def run_name(model: str, algorithm: str, reuse: int, seed: int, routing: str | None = None) -> str:
@@ -43,8 +37,6 @@ def run_name(model: str, algorithm: str, reuse: int, seed: int, routing: str | N
         seed: the run's seed.
         routing: routing replay, one of ``respo_verl.routing.mode.REPLAY_MODES``; None or ``off`` adds nothing.
     """
-    from respo_verl.routing.mode import REPLAY_MODES
-
     if routing is not None and routing not in REPLAY_MODES:
         raise ValueError(f"routing must be one of {', '.join(REPLAY_MODES)}, got {routing!r}")
     name = f"{model}-{algorithm}-n{reuse}-s{seed}"
@@ -55,16 +47,14 @@ def job_run_name(loss_mode, train_batch_size, mini_batch_size, seed, model_path,
     """:func:`run_name` of a composed job (the presets' ``run_name`` resolver): the model folder's name, the
     algorithm preset that selects ``loss_mode``, N = train_batch_size / mini_batch_size, and verl's
     ``router_replay.mode`` ``replay`` (None or ``disabled``: off)."""
-    from respo_verl.routing.mode import mode_of
-
     algorithm = ALGORITHM_OF_LOSS.get(str(loss_mode), str(loss_mode))
     model = PurePosixPath(str(model_path).rstrip("/")).name or "model"
-    return run_name(model, algorithm, _reuse(train_batch_size, mini_batch_size), seed, mode_of(replay))
+    return run_name(model, algorithm, reuse_of(train_batch_size, mini_batch_size), seed, mode_of(replay))
 
 
 def save_freq(updates, train_batch_size, mini_batch_size) -> int:
     """Training steps between checkpoints: every ``updates`` optimizer updates, at least every step."""
-    return max(1, int(updates) // _reuse(train_batch_size, mini_batch_size))
+    return max(1, int(updates) // reuse_of(train_batch_size, mini_batch_size))
 
 
 def register() -> None:

@@ -267,11 +267,11 @@ def test_the_cpu_presets_pass_the_layout_rules_with_their_model(overrides, model
     """The cluster presets pass them in tests/tools/plan/test_cluster_presets.py (the job's rules there, and the
     planner's with each preset's model)."""
     from respo_verl.cpu.kit.build import KitSpec, build_kit
-    from respo_verl.run.jobcheck import _model_shape
+    from respo_verl.layout.models import job_model_shape
 
     kit = build_kit(KitSpec(moe=model == "moe"), progress=False)
     job = compose_job("respo", ["algorithm=respo", *overrides, f"actor_rollout_ref.model.path={kit.model}"])
-    assert _model_shape(job) is not None  # the rules on the model's shape ran too
+    assert job_model_shape(job) is not None  # the rules on the model's shape ran too
     check_job(job)
 
 
