@@ -88,13 +88,13 @@ def check_guards(cfg: Any) -> GuardConfig:
     from omegaconf import OmegaConf
 
     guard = GuardConfig.from_config(cfg.get("run_guard"))
-    if guard.enable and guard.sampler_agreement != "off":
-        if not OmegaConf.select(cfg, "actor_rollout_ref.rollout.calculate_log_probs", default=True):
-            raise ValueError(
-                f"run_guard.sampler_agreement={guard.sampler_agreement} compares the sampler's log-probs with the "
-                "trainer's, but actor_rollout_ref.rollout.calculate_log_probs=false: set it to true (verl's default) "
-                "or run_guard.sampler_agreement=off"
-            )
+    logged = OmegaConf.select(cfg, "actor_rollout_ref.rollout.calculate_log_probs", default=True)
+    if guard.enable and guard.sampler_agreement != "off" and not logged:
+        raise ValueError(
+            f"run_guard.sampler_agreement={guard.sampler_agreement} compares the sampler's log-probs with the "
+            "trainer's, but actor_rollout_ref.rollout.calculate_log_probs=false: set it to true (verl's default) "
+            "or run_guard.sampler_agreement=off"
+        )
     return guard
 
 
@@ -147,9 +147,7 @@ class StepGuards:
         # keys of another pass in the step, a pass without keys replayed none.
         engine_ran = any(key.startswith(f"{ROUTING_PREFIX}/") for key in metrics)
         for name, source in sources.items():
-            key = (
-                f"{ROUTING_PREFIX}/replayed_tokens" if name == "update" else f"{ROUTING_PREFIX}/{name}/replayed_tokens"
-            )
+            key = f"{ROUTING_PREFIX}/{'' if name == 'update' else name + '/'}replayed_tokens"
             value = metrics.get(key)
             if value is None and engine_ran:
                 value = 0.0

@@ -20,6 +20,7 @@ from respo_verl.data.check import check_data
 from respo_verl.run.jobcheck import check_machine, check_model, task_runner_resources
 from respo_verl.run.nodes import lost_node_stop
 from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
+from respo_verl.run.trainer import TRAINER_MODE
 
 PROG = "respo_verl.main_ppo"  # how the run's own lines name it
 _REAPER = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
@@ -139,10 +140,8 @@ def stop_on_sigterm() -> None:
 
 
 def uses_respo_trainer(config: DictConfig) -> bool:
-    from respo_verl.run.trainer import TRAINER_MODE
-
-    use_v1 = config.get("trainer", {}).get("use_v1", True)
-    return bool(use_v1) and OmegaConf.select(config, "trainer.v1.trainer_mode") == TRAINER_MODE
+    v1 = OmegaConf.select(config, "trainer.use_v1", default=True)
+    return bool(v1) and OmegaConf.select(config, "trainer.v1.trainer_mode") == TRAINER_MODE
 
 
 def check_resume(config: DictConfig) -> None:

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from respo_verl.patches import Patch
 from respo_verl.run.stops import (
     AGENT_LOOP_WORKER,
@@ -141,11 +143,10 @@ class SampleWait:
 
     def _state(self, buffer: Any, partition_id: str | None) -> str:
         pid = partition_id or "train"
-        counts = {
-            name: len(getattr(buffer, f"{name}_keys", {}).get(pid, ()))
+        groups = ", ".join(
+            f"{len(getattr(buffer, f'{name}_keys', {}).get(pid, ()))} {name}"
             for name in ("pending", "running", "finished", "failure")
-        }
-        groups = ", ".join(f"{count} {name}" for name, count in counts.items())
+        )
         return f"prompt groups: {groups}; {len(self._seen)} samples finished in this step"
 
 
@@ -188,18 +189,10 @@ def waits_on(trainer: Any, *kinds: str) -> str:
         count = int(getattr(group, "world_size", 0) or 0) if kind in WORKER_GROUPS else len(others.get(kind, ()))
         if count:
             counts[kind] = max(counts.get(kind, 0), count)
-    rollout = _rollout_name(trainer)
-
-    def label(kind: str, n: int) -> str:
-        text = f"{n} {kind}{'s' if n != 1 else ''}"
-        return f"{text} ({rollout})" if kind == ROLLOUT_SERVER and rollout else text
-
-    return ", ".join(label(kind, n) for kind, n in counts.items()) or BETWEEN_PHASES
-
-
-def _rollout_name(trainer: Any) -> str | None:
-    """The job's rollout engine (``actor_rollout_ref.rollout.name``: vllm, sglang, hf_cpu, ...), or None."""
-    try:
-        return str(trainer.config.actor_rollout_ref.rollout.name)
-    except Exception:  # a trainer without verl's config (tests' stand-ins)
-        return None
+    config = getattr(trainer, "config", None)  # verl's; the tests' stand-ins may have none
+    rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name") if config is not None else None
+    engine = f" ({rollout})" if rollout else ""
+    labels = [
+        f"{n} {kind}{'s' if n != 1 else ''}{engine if kind == ROLLOUT_SERVER else ''}" for kind, n in counts.items()
+    ]
+    return ", ".join(labels) or BETWEEN_PHASES

@@ -98,7 +98,7 @@ def check_ray_nodes(
     finally:
         if folders is not None:
             Path(folders.marker).unlink(missing_ok=True)
-    results, failures, missing_lines, lacking_nodes, blind = [], [], [], 0, []
+    results, failures, missing_lines, lacking, blind = [], [], [], set(), []
     for node, ref in zip(nodes, refs, strict=True):
         where = f"node {node.get('NodeManagerAddress')}"
         try:
@@ -117,10 +117,8 @@ def check_ray_nodes(
         if result["error"] or missing:
             reason = result["error"] or f"not registered: {', '.join(missing)}"
             failures.append(f"{where} ({result['host']}): {reason}")
-        node_missing = [f"{where} ({result['host']}): {line}" for line in result.get("missing", ())]
-        if node_missing:
-            lacking_nodes += 1
-            missing_lines.extend(node_missing)
+        missing_lines += [f"{where} ({result['host']}): {line}" for line in result.get("missing", ())]
+        lacking |= {node["NodeID"]} if result.get("missing") else set()
     if blind:
         raise RuntimeError(
             "respo-verl preflight failed: "
@@ -132,7 +130,7 @@ def check_ray_nodes(
         raise RuntimeError("\n".join([message, *missing_lines]))
     if missing_lines:
         header = (
-            f"respo-verl preflight failed on {lacking_nodes} node(s): the job needs what they lack "
+            f"respo-verl preflight failed on {len(lacking)} node(s): the job needs what they lack "
             "(install it there, or change the key named):"
         )
         raise RuntimeError("\n".join([header, *missing_lines]))

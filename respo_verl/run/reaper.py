@@ -11,6 +11,7 @@ fate sharing leaves behind), and the tests: docs/internals.md, "The respo-verl t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -183,10 +184,8 @@ def watch(driver: psutil.Process | None, session_dir: str | None) -> tuple[int, 
     next_scan = 0.0
     while driver is not None and running(driver):
         if time.monotonic() >= next_scan:
-            try:
+            with contextlib.suppress(psutil.Error):
                 recorded.update((proc.pid, proc) for proc in driver.children(recursive=True))
-            except psutil.Error:
-                pass
             next_scan = time.monotonic() + SCAN_INTERVAL_S
         time.sleep(DEATH_POLL_S)
     return reap(recorded.values(), session_dir)
@@ -212,11 +211,9 @@ def _append_to_stderr_file() -> None:
     import fcntl
     import stat
 
-    try:
+    with contextlib.suppress(OSError):
         if stat.S_ISREG(os.fstat(2).st_mode):
             fcntl.fcntl(2, fcntl.F_SETFL, fcntl.fcntl(2, fcntl.F_GETFL) | os.O_APPEND)
-    except OSError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

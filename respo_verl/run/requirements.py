@@ -54,12 +54,10 @@ class Requirement:
 
 
 def _select(cfg: Any, key: str, default: Any = None) -> Any:
+    """``key`` of ``cfg``, or ``default`` where it is unset, null or an interpolation unresolved where this runs."""
     from omegaconf import OmegaConf
 
-    try:
-        value = OmegaConf.select(cfg, key, default=default)
-    except Exception:  # an interpolation that does not resolve where this runs
-        return default
+    value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
     return default if value is None else value
 
 

@@ -148,7 +148,7 @@ class RespoTrainer(PPOTrainerSync):
                 raise
             raise stop from None
         finally:
-            self._board.end()
+            self._board.pause("training ended")
             for patch in reversed(self._patches):
                 patch.remove()
 

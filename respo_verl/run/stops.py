@@ -141,8 +141,7 @@ def _one_line(text: str) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
+    return (str(exc).strip().splitlines() or [""])[0]
 
 
 def _died(chain: list[BaseException]) -> tuple[str, str] | None:

@@ -8,6 +8,7 @@ docs/internals.md, "The watchdog: a step or a phase that makes no progress".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -56,10 +57,8 @@ def folder_bytes(folder: str | None) -> int:
     total = 0
     for root, _, names in os.walk(folder or ""):
         for name in names:
-            try:
+            with contextlib.suppress(OSError):  # a file the save renames or removes while it is counted
                 total += os.stat(os.path.join(root, name)).st_size
-            except OSError:  # a file the save renames or removes while it is counted
-                pass
     return total
 
 
@@ -79,18 +78,14 @@ class PhaseBoard:
         self._write({"watched": True, "step": int(step), "phase": phase, "waits_on": waits_on}, advanced=True)
 
     def pause(self, why: str) -> None:
-        """No bound until the next phase begins (verl builds the agent loop between the trainer's start-up and its
-        first step: start-up has no bound)."""
+        """No bound until the next phase begins: between the trainer's start-up and its first step (verl builds the
+        agent loop then), and once training has ended."""
         self._write({"watched": False, "why": why}, advanced=True)
 
     def progress(self, detail: str | None = None, advanced: bool = True) -> None:
         """The phase goes on; ``advanced``: it made progress; ``detail``: what it waits for, as of now."""
         if self.current.get("watched") and (advanced or detail != self.current.get("detail")):
             self._write({**self.current, "detail": detail}, advanced)
-
-    def end(self) -> None:
-        """Training is over: no bound applies."""
-        self.pause("training ended")
 
     @contextmanager
     def phase(self, step: int, phase: str, waits_on: str, folder: str | None = None) -> Iterator[None]:

@@ -356,7 +356,7 @@ def test_the_watchdog_stops_a_phase_that_makes_no_progress():
         "update worker"
     )
     assert watchdog.check() is None  # the phase ended: the record changed
-    board.end()
+    board.pause("training ended")
     clock.now += 1000
     assert watchdog.check() is None
     assert watchdog.step == 2  # the step a stop line names, after the trainer's end record too
@@ -437,6 +437,8 @@ def test_waits_on_counts_the_actors_of_a_phase_by_role():
     tests/cpu/test_cpu_hangs.py names them end to end)."""
     from types import SimpleNamespace
 
+    from omegaconf import OmegaConf
+
     from respo_verl.run.liveness import BETWEEN_PHASES, waits_on
     from respo_verl.run.stops import GENERATION_ACTORS
 
@@ -455,5 +457,5 @@ def test_waits_on_counts_the_actors_of_a_phase_by_role():
     )
     assert waits_on(trainer, "critic worker") == BETWEEN_PHASES
     # with verl's config, the rollout servers are named by their engine (a dead vLLM engine hangs a weight sync)
-    trainer.config = SimpleNamespace(actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(name="vllm")))
+    trainer.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
     assert waits_on(trainer, "update worker", "rollout server") == "2 update workers, 1 rollout server (vllm)"
