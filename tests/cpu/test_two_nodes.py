@@ -5,7 +5,8 @@ The head runs at this host's address (Ray's choice for a head started at 127.0.0
 (Linux routes all of 127.0.0.0/8 to loopback), one fake GPU slot and 8 logical CPUs each, so that verl's one
 placement group per node must land on different raylets. Both use the token file the script makes; a third node
 started with another token is refused. The worker runs in a mount namespace of its own (``unshare --mount``) where a
-folder of the host is an empty tmpfs: a node-local folder, which the head sees and the worker does not.
+folder of the host is an empty tmpfs: a node-local folder, which the head sees and the worker does not (without root,
+in a user namespace of its own too, which the kernel must allow: ``unshare --user`` as this user).
 
 On that cluster: the node preflight refuses a checkpoint root that only the head sees, naming the worker and the
 path (no verl driver: the preflight itself, as the driver runs it before the TaskRunner); then one Megatron R3 run
@@ -119,9 +120,11 @@ class TwoNodes:
     def worker_command(self, ip: str) -> list[str]:
         script = f"bash {SCRIPT} worker {HEAD_IP} " + " ".join(_ports(*NODE_PORTS))
         script += f" --resources='{{\"{TRAINER_RESOURCE}\": 1}}'"  # the node the job's TaskRunner asks for
-        # Its own mount namespace: the node-local folder is an empty tmpfs there.
+        # Its own mount namespace: the node-local folder is an empty tmpfs there. Without root, the namespace comes
+        # with a user namespace of its own (this user as its root), which may mount a tmpfs.
         inner = f"mount -t tmpfs tmpfs {self.local} && exec {script}"
-        return ["unshare", "--mount", "--propagation", "private", "bash", "-c", inner]
+        user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+        return ["unshare", *user, "--mount", "--propagation", "private", "bash", "-c", inner]
 
     def start_worker(self, ip: str = WORKER_IP, token: Path | None = None, out: Path | None = None):
         env = self.env(NODE_IP=ip, **({"RAY_AUTH_TOKEN_PATH": str(token)} if token else {}))
