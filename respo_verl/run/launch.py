@@ -201,7 +201,7 @@ def train(config: DictConfig, check_loss=None) -> None:
             raise
         # Ray re-raises the trainer's stop wrapped in a traceback per process: its line instead; a Ray actor error
         # because a node went away names the node, its roles and the step (respo_verl.run.nodes)
-        step = _WATCHDOG.step if _WATCHDOG is not None else None
+        step = _WATCHDOG.latest_step() if _WATCHDOG is not None else None
         stop = stop_of(stopped or lost_node_stop(exc, step) or exc, PROG)
         end_ray_echo()
         print(stop.line, file=sys.stderr, flush=True)

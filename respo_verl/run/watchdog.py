@@ -170,6 +170,14 @@ class Watchdog:
         key = "max_stall_s" if record.get("phase") in SAMPLE_PHASES else "max_phase_s"
         return self.stop_for(record, quiet) if quiet > getattr(self.guard, key) else None
 
+    def latest_step(self) -> int | None:
+        """The step of the record as it stands now, for a stop line: the last check may be an interval old, and a
+        node lost just after a step ended would otherwise be said lost in that step. The last step read stands when
+        Ray cannot answer."""
+        with contextlib.suppress(Exception):
+            self.step = (self.records.get(PHASE) or {}).get("step", self.step)
+        return self.step
+
     def stop_for(self, record: dict[str, Any], quiet: float, after_stop: bool = False) -> RunStopped:
         """The one line of a stop: ``record``'s phase, quiet for ``quiet`` seconds past its bound."""
         step, phase, waits = record.get("step"), record.get("phase"), f"it waits on {record.get('waits_on')}"

@@ -362,6 +362,25 @@ def test_the_watchdog_stops_a_phase_that_makes_no_progress():
     assert watchdog.step == 2  # the step a stop line names, after the trainer's end record too
 
 
+def test_a_stop_line_names_the_step_the_record_holds_now_not_the_last_one_checked(monkeypatch):
+    """A node lost right after step 3 ended: the trainer's record already says step 4, the driver's last check (up to
+    an interval ago) still read step 3. The stop line reads the record once more; a Ray that cannot answer leaves the
+    last step read."""
+    clock = Clock()
+    board, watchdog = _watchdog(clock, max_phase_s=30)
+    board.enter(3, "update", "1 update worker")
+    assert watchdog.check() is None and watchdog.step == 3
+    board.enter(4, "generation", "1 agent-loop worker")
+    assert watchdog.step == 3 and watchdog.latest_step() == 4 and watchdog.step == 4
+
+    def unreachable(name):
+        raise ConnectionError("the GCS is gone")
+
+    board.enter(5, "generation", "1 agent-loop worker")
+    monkeypatch.setattr(watchdog.records, "get", unreachable)
+    assert watchdog.latest_step() == 4
+
+
 def _until(condition, timeout=5.0):
     end = time.monotonic() + timeout
     while not condition():
