@@ -200,8 +200,9 @@ def train(config: DictConfig, check_loss=None) -> None:
         if isinstance(exc, KeyboardInterrupt) and stopped is None:
             raise
         # Ray re-raises the trainer's stop wrapped in a traceback per process: its line instead; a Ray actor error
-        # because a node went away names the node, its roles and the step (respo_verl.run.nodes)
-        step = _WATCHDOG.latest_step() if _WATCHDOG is not None else None
+        # because a node went away names the node, its roles and the step (respo_verl.run.nodes), the step as the
+        # trainer's record holds it then
+        step = _WATCHDOG.latest_step if _WATCHDOG is not None else None
         stop = stop_of(stopped or lost_node_stop(exc, step) or exc, PROG)
         end_ray_echo()
         print(stop.line, file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,18 +111,20 @@ def _reachable(node: dict) -> bool:
         return False
 
 
-def lost_node_stop(exc: BaseException, step: int | None, job: str | None = None) -> NodeLost | None:
+def lost_node_stop(
+    exc: BaseException, step: int | Callable[[], int | None] | None, job: str | None = None
+) -> NodeLost | None:
     """The stop for a run that ended with a Ray actor error (or an :class:`ActorDied`) because a node that held
-    roles of ``job`` went away: the node (address, Ray node id), its roles and ``step`` (default: the step the
-    trainer's :class:`ActorDied` names). None for any other error, when Ray is not connected, or when every node of
-    the job is there."""
+    roles of ``job`` went away: the node (address, Ray node id), its roles and ``step`` (a callable is asked only once
+    a node is found lost; default: the step the trainer's :class:`ActorDied` names). None for any other error, when
+    Ray is not connected, or when every node of the job is there."""
     import ray
 
     chain = causes(exc)
     if not any(c.__name__ in RAY_ACTOR_ERRORS or c is ActorDied for e in chain for c in type(e).__mro__):
         return None
-    for told in (re.match(r"step (\d+): ", str(e)) for e in chain if isinstance(e, ActorDied)):
-        step = step or (int(told[1]) if told else None)  # the trainer's own stop names its step
+    told = [re.match(r"step (\d+): ", str(e)) for e in chain if isinstance(e, ActorDied)]
+    told_step = next((int(found[1]) for found in told if found), None)  # the trainer's own stop names its step
     if not ray.is_initialized():
         return None
     try:
@@ -132,6 +135,7 @@ def lost_node_stop(exc: BaseException, step: int | None, job: str | None = None)
     lost = {n: r for n, r in lost.items() if not _reachable(nodes[n])}
     if not lost:
         return None
+    step = (step() if callable(step) else step) or told_step
     where = "; ".join(
         f"node {nodes[n]['NodeManagerAddress']} (Ray node {n[:12]}) was lost with {', '.join(roles)}"
         for n, roles in lost.items()

@@ -381,6 +381,16 @@ def test_a_stop_line_names_the_step_the_record_holds_now_not_the_last_one_checke
     assert watchdog.latest_step() == 4
 
 
+def test_the_lost_node_check_asks_for_the_step_only_once_a_node_is_lost():
+    """The stop of any other error, or of an actor error without Ray connected (this process), reads no record."""
+    from respo_verl.run.nodes import lost_node_stop
+
+    asked = []
+    assert lost_node_stop(ValueError("not an actor error"), lambda: asked.append(1) or 4) is None
+    assert lost_node_stop(_as_driver_gets_it(_actor_died()), lambda: asked.append(1) or 4) is None
+    assert asked == []
+
+
 def _until(condition, timeout=5.0):
     end = time.monotonic() + timeout
     while not condition():
