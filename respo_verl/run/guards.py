@@ -58,6 +58,7 @@ class GuardConfig:
     max_stall_s: float = setting(3600.0, POSITIVE)
     max_stall_after_stop_s: float = setting(300.0, POSITIVE)
     max_phase_s: float = setting(1800.0, POSITIVE)
+    max_setup_s: float = setting(1800.0, POSITIVE)
     sampler_agreement: str = setting("stop", OneOf(GUARD_MODES))
     max_probs_diff_max: float | None = setting(None, SHARE, optional=True)
     max_probs_diff_mean: float | None = setting(0.05, SHARE, optional=True)

@@ -87,12 +87,15 @@ def stop_local_ray_with_driver():
 
 
 def start_watchdog(config: DictConfig) -> None:
-    """With the respo-verl trainer, start the watchdog in this driver (:class:`respo_verl.run.watchdog.Watchdog`):
-    on a stall it interrupts the driver's wait for the trainer, and :func:`train` prints the stop's line."""
+    """With the respo-verl trainer, start the watchdog in this driver (:class:`respo_verl.run.watchdog.Watchdog`),
+    with its look at the run's nodes and set-up actors (:class:`respo_verl.run.nodes.ClusterWatch`): on a stall, a
+    lost node or an actor failed in the set-up it interrupts the driver's wait for the trainer, and :func:`train`
+    prints the stop's line."""
     import _thread
     import os
 
     from respo_verl.run.guards import GuardConfig
+    from respo_verl.run.nodes import ClusterWatch
     from respo_verl.run.watchdog import PHASE, STOP, Records, Watchdog
 
     global _WATCHDOG
@@ -102,7 +105,8 @@ def start_watchdog(config: DictConfig) -> None:
     for name in (PHASE, STOP):  # a record of an earlier driver of this job (a resubmitted Ray job)
         records.delete(name)
     trace = os.environ.get(WATCHDOG_TRACE_ENV)
-    _WATCHDOG = Watchdog(records, GuardConfig.from_config(config.get("run_guard")), trace=trace)
+    guard = GuardConfig.from_config(config.get("run_guard"))
+    _WATCHDOG = Watchdog(records, guard, trace=trace, cluster=ClusterWatch.of_this_job())
     interruptible_main()
     _WATCHDOG.start(on_stop=_thread.interrupt_main)
 

@@ -17,12 +17,20 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from respo_verl.run.checkpoint import checkpoint_folder
-from respo_verl.run.stops import ActorDied, actor_role, causes
+from respo_verl.run.stops import ActorDied, RunStopped, actor_role, causes
 
 MARKER = ".respo-verl-nodes"  # the driver's marker in the checkpoint root, read on every node
 RAY_ACTOR_ERRORS = ("ActorDiedError", "ActorUnavailableError", "NodeDiedError")
 _RANK = re.compile(r"_(\d+):(\d+)$")  # verl's worker actors: <prefix><class>_<placement group>:<bundle>
 _SERVER = re.compile(r"server_(\d+)_(\d+)")  # verl's rollout servers: <prefix>server_<replica>_<node rank>
+# How often the driver looks at its run's nodes and, in the set-up, its actors (:class:`ClusterWatch`): with
+# UNREACHABLE_CHECKS, a lost node is named about 10 s after its raylet went away, whatever the trainer waits on.
+CLUSTER_CHECK_INTERVAL_S = 5.0
+# Looks in a row at which a node's raylet refused or did not answer before the node counts as lost, unless Ray already
+# says it is dead: one failed connection (a network blip) must not end a days-long run.
+UNREACHABLE_CHECKS = 2
+# Ray's reasons for an actor's end that are no failure: its handles went away, or it was killed on purpose.
+ORDERLY_ENDS = ("OUT_OF_SCOPE", "REF_DELETED", "RAY_KILL")
 
 
 class NodeLost(ActorDied):
@@ -66,27 +74,46 @@ def unseen(folders: SharedFolders) -> list[str]:
     return problems
 
 
-def job_roles(job: str | None = None, alive_only: bool = False) -> list[tuple[str, str]]:
-    """(role, Ray node id) of each actor of ``job`` (default: this process's job), the trainer first."""
+def job_actors(job: str | None = None) -> list[dict]:
+    """The rows of Ray's actor table (Ray keeps a dead actor's row, its node and its cause of death) of ``job``
+    (default: this process's job)."""
     import ray
     from ray._private import state
 
     job = job or ray.get_runtime_context().get_job_id()
-    actors = [a for a in state.actors().values() if a["JobID"] == job and (a["State"] == "ALIVE" or not alive_only)]
+    return [a for a in state.actors().values() if a["JobID"] == job]
+
+
+def named(actors: list[dict], alive_only: bool = False) -> list[tuple[str, dict]]:
+    """(role, row) of each of ``actors`` (rows of Ray's actor table: :func:`job_actors`), the trainer first."""
+    actors = [a for a in actors if a["State"] == "ALIVE" or not alive_only]
     ranks = sorted((int(m[1]), int(m[2])) for a in actors if (m := _RANK.search(a["Name"] or "")))
-    roles, counts = [], {}
-    for actor in sorted(actors, key=lambda a: (a["Name"] or "", a["ActorID"])):
-        short, name = actor["ActorClassName"].rsplit(".", 1)[-1], actor["Name"] or ""
-        role = actor_role(short) or short
-        if role == "update worker" and (rank := _RANK.search(name)):
-            role += f" rank {ranks.index((int(rank[1]), int(rank[2])))}"
-        elif role == "rollout server" and (server := _SERVER.search(name)):
-            role += f" {server[1]}" + (f" (node rank {server[2]})" if server[2] != "0" else "")
-        elif role != "trainer":
-            counts[role] = counts.get(role, -1) + 1
-            role += f" {counts[role]}"
-        roles.append((role, actor["Address"]["NodeID"]))
-    return sorted(roles, key=lambda r: (r[0] != "trainer", r[0]))
+    counts: dict[str, int] = {}
+    rows = [(_role_of(a, ranks, counts), a) for a in sorted(actors, key=lambda a: (a["Name"] or "", a["ActorID"]))]
+    return sorted(rows, key=lambda r: (r[0] != "trainer", r[0]))
+
+
+def roles_of(actors: list[dict], alive_only: bool = False) -> list[tuple[str, str]]:
+    """(role, Ray node id) of each of ``actors`` (:func:`named`)."""
+    return [(role, actor["Address"]["NodeID"]) for role, actor in named(actors, alive_only)]
+
+
+def _role_of(actor: dict, ranks: list[tuple[int, int]], counts: dict[str, int]) -> str:
+    short, name = actor["ActorClassName"].rsplit(".", 1)[-1], actor["Name"] or ""
+    role = actor_role(short) or short
+    if role == "update worker" and (rank := _RANK.search(name)):
+        return role + f" rank {ranks.index((int(rank[1]), int(rank[2])))}"
+    if role == "rollout server" and (server := _SERVER.search(name)):
+        return role + f" {server[1]}" + (f" (node rank {server[2]})" if server[2] != "0" else "")
+    if role == "trainer":
+        return role
+    counts[role] = counts.get(role, -1) + 1
+    return role + f" {counts[role]}"
+
+
+def job_roles(job: str | None = None, alive_only: bool = False) -> list[tuple[str, str]]:
+    """(role, Ray node id) of each actor of ``job`` (default: this process's job), the trainer first."""
+    return roles_of(job_actors(job), alive_only)
 
 
 def record_placement(job: str | None = None) -> dict[str, str]:
@@ -104,11 +131,28 @@ def record_placement(job: str | None = None) -> dict[str, str]:
 def _reachable(node: dict) -> bool:
     """Whether the node's raylet is alive for Ray and answers on its port (a lost one refuses at once, before Ray's
     health checks declare it dead)."""
+    if not node.get("Alive"):
+        return False
     try:
         with socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=2.0):
-            return bool(node["Alive"])
+            return True
     except OSError:
         return False
+
+
+def _lost_line(when: str, lost: dict[str, list[str]], nodes: dict[str, dict]) -> NodeLost:
+    where = "; ".join(
+        f"node {nodes[n]['NodeManagerAddress']} (Ray node {n[:12]}) was lost with {', '.join(roles)}"
+        for n, roles in lost.items()
+    )
+    return NodeLost(
+        f"{when}: {where}; once the node is back, submit the job again: it resumes from its last checkpoint"
+    )
+
+
+def _nodes_with_roles(roles: list[tuple[str, str]], nodes: dict[str, dict]) -> dict[str, list[str]]:
+    """{Ray node id: its roles} of the nodes Ray knows that hold one of ``roles``."""
+    return {n: [r for r, at in roles if at == n] for n in dict.fromkeys(at for _, at in roles) if n in nodes}
 
 
 def lost_node_stop(
@@ -131,16 +175,82 @@ def lost_node_stop(
         roles, nodes = job_roles(job), {n["NodeID"]: n for n in ray.nodes()}
     except Exception:  # the cluster itself is gone (its head): nothing to name
         return None
-    lost = {n: [r for r, at in roles if at == n] for n in {at for _, at in roles} if n in nodes}
-    lost = {n: r for n, r in lost.items() if not _reachable(nodes[n])}
+    lost = {n: r for n, r in _nodes_with_roles(roles, nodes).items() if not _reachable(nodes[n])}
     if not lost:
         return None
     step = (step() if callable(step) else step) or told_step
-    where = "; ".join(
-        f"node {nodes[n]['NodeManagerAddress']} (Ray node {n[:12]}) was lost with {', '.join(roles)}"
-        for n, roles in lost.items()
-    )
-    return NodeLost(
-        f"{f'step {step}' if step else 'the run'}: {where}; once the node is back, submit the job again: it resumes "
-        "from its last checkpoint"
-    )
+    return _lost_line(f"step {step}" if step else "the run", lost, nodes)
+
+
+def failure(actor: dict) -> str | None:
+    """Why ``actor`` (a row of Ray's actor table) ended, in one line, when it ended by failing: its creation task
+    raised (the exception's last line), it could not be placed, its process or node died. None while it lives or
+    restarts, and for an orderly end (its handles went away, ``ray.kill``)."""
+    if actor["State"] != "DEAD":
+        return None
+    cause = actor.get("DeathCause")
+    kind = cause.WhichOneof("context") if cause is not None else None
+    if kind == "creation_task_failure_context":
+        told = [line for line in cause.creation_task_failure_context.formatted_exception_string.splitlines() if line]
+        return "its creation task raised " + (told[-1].strip() if told else "an exception")
+    if kind == "actor_died_error_context":
+        context = cause.actor_died_error_context
+        reason = type(context).Reason.Name(context.reason)
+        if reason in ORDERLY_ENDS:
+            return None
+        return f"{reason}: {' '.join(context.error_message.split()) or 'no message'}"
+    if kind is None:
+        return "it is dead, with no cause in Ray's actor table"
+    return " ".join(str(getattr(cause, kind)).split()) or kind
+
+
+class ClusterWatch:
+    """The driver's look at its run's Ray cluster, for the watchdog (:class:`respo_verl.run.watchdog.Watchdog`
+    calls :meth:`look` every :data:`CLUSTER_CHECK_INTERVAL_S`), wherever the trainer runs:
+
+    - a node that holds roles of the run and is lost: Ray says it is dead, or its raylet refused or did not answer
+      :data:`UNREACHABLE_CHECKS` looks in a row (one failed connection, a network blip, is not a lost node);
+    - in the set-up only: an actor of the run that failed (:func:`failure`): nothing waits on an actor that verl
+      creates and does not call yet (its agent-loop workers), so the set-up would sit for ever.
+
+    ``actors`` and ``nodes`` return the job's rows of Ray's actor table and ``ray.nodes()``; ``reachable`` asks a
+    node's raylet (:func:`_reachable`)."""
+
+    def __init__(
+        self,
+        actors: Callable[[], list[dict]],
+        nodes: Callable[[], list[dict]],
+        reachable: Callable[[dict], bool] = _reachable,
+    ) -> None:
+        self.actors, self.nodes, self.reachable = actors, nodes, reachable
+        self.count = 0  # the run's actors seen so far, dead ones included: a new one is set-up's progress
+        self._misses: dict[str, int] = {}
+
+    @classmethod
+    def of_this_job(cls) -> ClusterWatch:
+        import ray
+
+        job = ray.get_runtime_context().get_job_id()
+        return cls(lambda: job_actors(job), ray.nodes)
+
+    def look(self, when: str, setup: bool) -> tuple[RunStopped | None, bool]:
+        """(the stop the cluster calls for now or None, whether the run has more actors than at the last look).
+        ``when`` starts the stop's line (``step 4``, ``set-up (the agent loop)``); ``setup``: the run is in its
+        set-up."""
+        actors, nodes = self.actors(), {n["NodeID"]: n for n in self.nodes()}
+        grew, self.count = len(actors) > self.count, max(self.count, len(actors))
+        held = _nodes_with_roles(roles_of(actors), nodes)
+        for node in list(self._misses):
+            if node not in held:
+                del self._misses[node]
+        for node in held:
+            self._misses[node] = 0 if self.reachable(nodes[node]) else self._misses.get(node, 0) + 1
+        lost = {n: r for n, r in held.items() if not nodes[n].get("Alive") or self._misses[n] >= UNREACHABLE_CHECKS}
+        if lost:
+            return _lost_line(when, lost, nodes), grew
+        if setup:
+            for role, actor in named(actors):
+                if (why := failure(actor)) is not None:
+                    who = f"{role} ({actor['ActorClassName'].rsplit('.', 1)[-1]}, pid {actor.get('Pid', '?')})"
+                    return ActorDied(f"{when}: {who} has died: {why}"), grew
+        return None, grew

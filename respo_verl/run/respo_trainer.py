@@ -6,10 +6,11 @@ docs/internals.md, "The respo-verl trainer and its checkpoints"; every stop is a
 What it overrides of verl 0.9.1 (read against ``verl/trainer/ppo/v1/trainer_base.py`` and ``trainer_sync.py`` of
 verl 0.9.1), public hooks first:
 
-- ``on_init_end``, ``on_train_begin``, ``on_step_begin``, ``on_step_end``, ``on_validate_begin``,
-  ``on_validate_end``, ``fit``: the phase record, the hooks on verl's logger and replay buffer, the stop request;
+- ``init``, ``on_init_end``, ``on_train_begin``, ``on_step_begin``, ``on_step_end``, ``on_validate_begin``,
+  ``on_validate_end``, ``fit``: the phase record (the set-up's stages too), the hooks on verl's logger and replay
+  buffer, the stop request;
 - ``_fetch_one_gen_batch``: the data loader's order of the prompts (:func:`respo_verl.run.hooks.in_prompt_order`);
-- ``_load_checkpoint``: the resume plan (:func:`respo_verl.run.checkpoint.plan_resume`);
+- ``_load_checkpoint``: the resume plan (:func:`respo_verl.run.checkpoint.plan_resume`), a stage of the set-up;
 - ``_save_checkpoint``: the phase of the save and the checkpoint's marker;
 - ``_compute_metrics``: the run guards on the step's metrics;
 - ``_compute_advantage``: non-finite rewards named with their step.
@@ -44,12 +45,14 @@ from respo_verl.run.stops import (
     RunStopped,
     stop_for_error,
 )
-from respo_verl.run.watchdog import STOP, PhaseBoard, Records
+from respo_verl.run.watchdog import STOP, PhaseBoard, Records, setup_phase
 
 logger = logging.getLogger(__name__)
 
 # Popped by verl's loop before it logs a step: a table for its own logger, not a metric.
 DAPO_COUNTS_KEY = "_dapo_filtered_reward_counts"
+# What a stage of the set-up waits on before its worker groups exist: the driver counts the actors verl creates.
+SETUP_WAITS = "the trainer (TaskRunner) and the actors verl creates for it"
 
 
 class RespoTrainer(PPOTrainerSync):
@@ -62,8 +65,9 @@ class RespoTrainer(PPOTrainerSync):
         # The run's identity before verl adds its own keys (optimizer step counts, TransferQueue) to the config.
         self._run = checkpoint.identity(config)
         self._records = Records()
-        # The phase of the step for the driver's watchdog (respo_verl.run.watchdog).
+        # The phase of the step, and the stage of the set-up, for the driver's watchdog (respo_verl.run.watchdog).
         self._board = PhaseBoard(self._records if guard.enable else None)
+        self._setup_stage("the trainer: its replay buffer")
         self._prompt_order: dict[str, int] = {}  # uid -> position, for the train prompts not yet sampled
         self._prompts_fetched = 0
         self._sample_wait: SampleWait | None = None
@@ -81,10 +85,18 @@ class RespoTrainer(PPOTrainerSync):
         timed = TIMED_PHASES.get(name)
         return self._phase(timed[0], *timed[1]) if timed else nullcontext()
 
+    def _setup_stage(self, stage: str, waits_on: str = SETUP_WAITS) -> None:
+        self._board.enter(getattr(self, "global_steps", 0), setup_phase(stage), waits_on)
+
+    def init(self):
+        self._setup_stage("workers, rollout servers, reward loop")
+        super().init()
+
     def on_init_end(self):
-        with self._phase("weight sync", UPDATE_WORKER, ROLLOUT_SERVER):
-            super().on_init_end()
-        self._board.pause("start-up: verl builds the agent loop")
+        self._setup_stage("the first weight sync", count_actors(self, UPDATE_WORKER, ROLLOUT_SERVER))
+        super().on_init_end()
+        # then verl's TaskRunner builds the agent loop, whose workers nothing calls before the first step
+        self._setup_stage("the agent loop")
 
     def on_validate_begin(self):
         self._board.enter(self.global_steps, "validation", count_actors(self, *GENERATION_ACTORS))
@@ -102,6 +114,7 @@ class RespoTrainer(PPOTrainerSync):
         return batch
 
     def _load_checkpoint(self):
+        self._setup_stage("the checkpoint's load", count_actors(self, UPDATE_WORKER, CRITIC_WORKER))
         plan = checkpoint.plan_resume(self.config, run=self._run)
         for line in plan.warnings:
             logger.warning("respo-verl: %s", line)

@@ -22,6 +22,7 @@ from ray.experimental import internal_kv
 
 from respo_verl.run.guards import GuardConfig
 from respo_verl.run.liveness import BETWEEN_PHASES
+from respo_verl.run.nodes import CLUSTER_CHECK_INTERVAL_S, ClusterWatch
 from respo_verl.run.stops import PhaseStalled, RunStopped, StalledAfterStop, StepStalled
 
 # Ray's key-value namespace of the records; each run's keys start with its Ray job id.
@@ -32,6 +33,14 @@ PHASE, STOP = "phase", "stop"  # the trainer's phase record, the driver's stop r
 PHASE_CHECK_INTERVAL_S = 2.0
 # The phases that wait for samples: their progress is a finished sample, their bound run_guard.max_stall_s.
 SAMPLE_PHASES = ("generation", "validation")
+# The stages of a run's set-up are phases named ``set-up (<stage>)``: their progress is a new stage or a new actor of
+# the run, their bound run_guard.max_setup_s. Before the trainer's first record, the TaskRunner starts.
+SETUP = "set-up"
+FIRST_STAGE = "the TaskRunner starts: verl, TransferQueue"
+
+
+def setup_phase(stage: str) -> str:
+    return f"{SETUP} ({stage})"
 
 
 class Records:
@@ -128,8 +137,12 @@ class Watchdog:
         guard: GuardConfig,
         clock: Callable[[], float] = time.monotonic,
         trace: str | None = None,
+        cluster: ClusterWatch | None = None,
     ) -> None:
-        self.records, self.guard, self.clock, self.trace = records, guard, clock, trace
+        """``cluster``: the look at the run's nodes and set-up actors (:class:`respo_verl.run.nodes.ClusterWatch`),
+        every :data:`respo_verl.run.nodes.CLUSTER_CHECK_INTERVAL_S`; None: the record alone."""
+        self.records, self.guard, self.clock, self.trace, self.cluster = records, guard, clock, trace, cluster
+        self._next_look = clock()
         self.stopped: RunStopped | None = None
         # the step of the last record read that named one (a record of the trainer's end names none), or None
         self.step: int | None = None
@@ -160,14 +173,27 @@ class Watchdog:
                     out.write(json.dumps({"at": now, **record}) + "\n")
         self._record = record
         self.step = (record or {}).get("step", self.step)
-        if record is None or not record.get("watched"):
+        phase = (record or {}).get("phase", setup_phase(FIRST_STAGE)) if (record or {}).get("watched", True) else None
+        setup = phase is not None and phase.startswith(SETUP)
+        if self.cluster is not None and now >= self._next_look:
+            self._next_look = now + CLUSTER_CHECK_INTERVAL_S
+            try:
+                stop, grew = self.cluster.look(phase if setup else f"step {self.step}", setup)
+            except Exception:  # Ray unreachable for a moment: the next look asks again
+                stop, grew = None, False
+            if stop is not None:
+                return stop
+            if grew and setup:
+                self._changed_at = now
+        if phase is None:
             return None
+        record = record or {"phase": phase, "waits_on": "the trainer (TaskRunner)"}
         if self._stop_at is not None:
             quiet = now - max(self._changed_at, self._stop_at)
             if quiet > self.guard.max_stall_after_stop_s:
                 return self.stop_for(record, quiet, after_stop=True)
         quiet = now - self._changed_at
-        key = "max_stall_s" if record.get("phase") in SAMPLE_PHASES else "max_phase_s"
+        key = "max_setup_s" if setup else "max_stall_s" if phase in SAMPLE_PHASES else "max_phase_s"
         return self.stop_for(record, quiet) if quiet > getattr(self.guard, key) else None
 
     def latest_step(self) -> int | None:
@@ -186,6 +212,11 @@ class Watchdog:
         state = f" ({record['detail']})" if record.get("detail") else ""
         if after_stop:
             bound = f"run_guard.max_stall_after_stop_s={self.guard.max_stall_after_stop_s:g}"
+            if phase.startswith(SETUP):
+                return StalledAfterStop(
+                    f"{phase}: stop requested (SIGTERM), and no new stage and no new actor of the run for "
+                    f"{quiet:.1f} s after it > {bound}; {waits}: ended before its first step"
+                )
             if samples:
                 return StalledAfterStop(
                     f"step {step}: stop requested (SIGTERM) while {wait}, and no sample finished for {quiet:.0f} s "
@@ -201,6 +232,11 @@ class Watchdog:
             return StepStalled(
                 f"step {step}: no sample finished for {quiet:.0f} s while {wait}{state} > "
                 f"run_guard.max_stall_s={self.guard.max_stall_s:g}"
+            )
+        if phase.startswith(SETUP):
+            return PhaseStalled(
+                f"{phase}: no new stage and no new actor of the run for {quiet:.1f} s > "
+                f"run_guard.max_setup_s={self.guard.max_setup_s:g}; {waits}"
             )
         return PhaseStalled(
             f"step {step}: the phase '{phase}' has run for {quiet:.1f} s with no progress > "

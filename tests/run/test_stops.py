@@ -271,7 +271,9 @@ def test_the_patch_runs_the_wait_after_each_poll_and_before_each_refill_and_undo
     assert len(checks) == 2
 
 
-@pytest.mark.parametrize(("key", "value"), [("max_stall_s", 0), ("max_stall_after_stop_s", -1), ("max_phase_s", 0)])
+@pytest.mark.parametrize(
+    ("key", "value"), [("max_stall_s", 0), ("max_stall_after_stop_s", -1), ("max_phase_s", 0), ("max_setup_s", 0)]
+)
 def test_the_watchdog_bounds_must_be_positive(key, value):
     with pytest.raises(ValueError, match=rf"run_guard.{key} must be > 0, got {value}"):
         GuardConfig(**{key: value})
@@ -282,11 +284,15 @@ def test_the_presets_bounds_are_the_config_classes_defaults_and_the_cpu_presets_
 
     configs = Path(__file__).resolve().parents[2] / "configs"
     shared = GuardConfig.from_config(OmegaConf.load(configs / "respo_verl" / "run_guard.yaml").run_guard)
-    assert shared == GuardConfig() and (shared.max_stall_s, shared.max_phase_s) == (3600, 1800)
+    assert shared == GuardConfig() and (shared.max_stall_s, shared.max_phase_s, shared.max_setup_s) == (
+        3600,
+        1800,
+        1800,
+    )
     for preset in ("cpu", "cpu_megatron"):
         node = OmegaConf.load(configs / "device" / f"{preset}.yaml").run_guard
         cpu = GuardConfig.from_config({**OmegaConf.to_container(node)})
-        assert (cpu.max_stall_s, cpu.max_stall_after_stop_s, cpu.max_phase_s) == (300, 60, 120), preset
+        assert (cpu.max_stall_s, cpu.max_stall_after_stop_s, cpu.max_phase_s, cpu.max_setup_s) == (300, 60, 120, 300)
 
 
 def test_the_trainers_logger_and_sampler_hooks_act_and_undo(capsys):
@@ -336,7 +342,7 @@ def test_the_watchdog_stops_a_phase_that_makes_no_progress():
     clock = Clock()
     board, watchdog = _watchdog(clock, max_phase_s=30)
     clock.now += 1000
-    assert watchdog.check() is None  # no record yet: start-up has no bound
+    assert watchdog.check() is None  # no record yet: the set-up's bound (run_guard.max_setup_s) holds
     board.enter(2, "old log-probs", "1 update worker")
     assert watchdog.check() is None
     clock.now += 29
