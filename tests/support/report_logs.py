@@ -50,3 +50,17 @@ def write_routing_log(path: Path, reuse: int, steps: int, flip, per_update_lines
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def write_score_log(path: Path, score: float, steps: int = 8, lr: float = 1e-6) -> Path:
+    """A verl log (one line per training step) whose score (reward + 1) / 2 is ``score`` at every step, with the
+    learning rate ``lr`` that verl logs as ``actor/lr``."""
+    import json
+
+    lines = [
+        json.dumps({"step": s, "data": {"critic/score/mean": 2 * score - 1, "actor/lr": lr}})
+        for s in range(1, steps + 1)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path

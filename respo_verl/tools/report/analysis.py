@@ -1,7 +1,9 @@
-"""Per-run and per-(algorithm, N) statistics in the paper's protocol (ReSPO paper, arXiv 2609.35433).
+"""Per-run and per-group statistics in the paper's protocol (ReSPO paper, arXiv 2609.35433).
 
 The per-run windows (late = last 128 optimizer updates, early = first 256, AUC = all) are
-:mod:`respo_verl.tools.runs.stats`; here they are grouped over seeds and compared with the baseline.
+:mod:`respo_verl.tools.runs.stats`; here they are grouped over seeds and compared with the baseline. A group is one
+(algorithm, N, model, routing replay mode): runs of different models or replay modes are never averaged together, and
+routing replay is compared with its absence at the same model, algorithm and N (:func:`replay_differences`).
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ import math
 import re
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from scipy import stats as scipy_stats
 
 from respo_verl import algorithms
 from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY
+from respo_verl.routing.mode import REPLAY_MODES
 from respo_verl.tools.runs.logs import LogError, RunLog, log_step, logged_reuse
 from respo_verl.tools.runs.manifest import RunRecord
 from respo_verl.tools.runs.stats import LATE_WINDOW, SCORE_KEY, per_update, score_curve, window_stats
@@ -46,6 +51,16 @@ NAME_PATTERN = re.compile(
 )
 NAME_EXAMPLES = ("respo-n32-s0", "respo_n32_seed0", "respo_n32_lr4e-04_w0_seed0")
 CONFIDENCE = 0.95
+# Routing replay's modes (respo_verl/routing/mode.py) in table order: off first, the side replay is compared with.
+ROUTING_OFF = "off"
+ROUTINGS = REPLAY_MODES
+REPLAYED = tuple(mode for mode in ROUTINGS if mode != ROUTING_OFF)
+ROUTING_DISPLAY = {"off": "off", "r2": "R2", "r3": "R3"}  # the paper's and verl's spelling of the replay modes
+_REPLAY_TAG = "|".join(map(re.escape, REPLAYED))
+# What a name says of routing replay after its seed: the package's ``-r2``/``-r3`` (absent: off), the miniature's
+# ``_r2`` (before ``_ho`` on a held-out run), and the presets' former ``_<model folder>[_<routing>]``.
+ROUTING_AFTER_SEED = re.compile(rf"[-_](?P<routing>{_REPLAY_TAG})(?=$|[-_])")
+FORMER_PRESET_TAIL = re.compile(rf"_(?P<model>.+?)(?:_(?P<routing>{_REPLAY_TAG}))?")
 
 
 @dataclass
@@ -71,6 +86,13 @@ class RunSummary:
     lr: float | None = None  # from the file name, when it says (the miniature's names)
     warm_seed: int | None = None
     peak_lr: float | None = None  # the largest logged ``actor/lr``, when logged
+    model: str | None = None  # :attr:`RunIdentity.model`
+    routing: str = ROUTING_OFF  # :attr:`RunIdentity.routing`
+
+    @property
+    def key(self) -> GroupKey:
+        """The group the run is averaged in."""
+        return GroupKey(self.algorithm, self.reuse, self.model, self.routing)
 
     def starved_mass(self, measure: str) -> float | None:
         """Mean of the ``measure`` curve over the run's optimizer updates; None when the log lacks it."""
@@ -89,6 +111,52 @@ def _check_measure(measure: str) -> str:
     return measure
 
 
+class GroupKey(NamedTuple):
+    """What the runs of one group share: runs that differ in any of it are never averaged together."""
+
+    algorithm: str
+    reuse: int
+    model: str | None  # None: the run's name does not say
+    routing: str  # one of :data:`ROUTINGS`
+
+
+def key_order(key: GroupKey) -> tuple:
+    """Sort key of group keys in the tables' order: N, model, the algorithms' table order, then off, R2, R3 (so that
+    the replay modes of one method and N stand side by side)."""
+    return (key.reuse, key.model or "", algorithms.order(key.algorithm), ROUTINGS.index(key.routing))
+
+
+@dataclass(frozen=True)
+class Variants:
+    """Which of a report's identity columns its tables show: the model where runs of several models are reported,
+    the routing replay mode where some run replays routing. Neither in the common case (one model, replay off), where
+    the tables look as they did before runs had a model and a routing mode."""
+
+    model: bool
+    routing: bool
+
+    @classmethod
+    def of(cls, keys: Iterable[GroupKey]) -> Variants:
+        keys = list(keys)
+        return cls(model=len({k.model for k in keys}) > 1, routing=any(k.routing != ROUTING_OFF for k in keys))
+
+    def headers(self) -> list[str]:
+        return ["model"] * self.model + ["routing"] * self.routing
+
+    def cells(self, key: GroupKey) -> list[str]:
+        """The key's cells under :meth:`headers`."""
+        return [key.model or "—"] * self.model + [ROUTING_DISPLAY[key.routing]] * self.routing
+
+    def parts(self, key: GroupKey) -> list[str]:
+        """The key's model and routing mode as words, those of them that are shown."""
+        return [key.model or "model not named"] * self.model + [ROUTING_DISPLAY[key.routing]] * self.routing
+
+    def tag(self, key: GroupKey) -> str:
+        """`` (model, R3)`` after a group's name in a line of text; '' when neither is shown."""
+        parts = self.parts(key)
+        return f" ({', '.join(parts)})" if parts else ""
+
+
 @dataclass
 class GroupSummary:
     algorithm: str
@@ -104,13 +172,23 @@ class GroupSummary:
     val: dict[str, float]
     delta_pp: float | None = None  # late score minus the baseline's, percentage points
     delta_ci: tuple[float, float] | None = None
+    model: str | None = None
+    routing: str = ROUTING_OFF
+
+    @property
+    def key(self) -> GroupKey:
+        return GroupKey(self.algorithm, self.reuse, self.model, self.routing)
 
 
 @dataclass(frozen=True)
 class RunIdentity:
     """What a run is: from its manifest record, else from its log's file name (:data:`NAME_PATTERN`).
 
-    ``lr`` and ``warm_seed`` are known only from a name that carries them (the miniature's).
+    ``lr`` and ``warm_seed`` are known only from a name that carries them (the miniature's). ``model`` is the name's
+    part before the algorithm (the package's ``<model>-<algorithm>-n<N>-s<seed>``; for the miniature's runs of a task
+    other than the chain task, that task), or the model folder after the seed in the presets' former names; None
+    when the name says neither. ``routing`` is the replay mode (:data:`ROUTINGS`): the manifest's, else the name's
+    suffix (:data:`ROUTING_AFTER_SEED`), off without one.
     """
 
     algorithm: str
@@ -118,26 +196,64 @@ class RunIdentity:
     seed: int
     lr: float | None = None
     warm_seed: int | None = None
+    model: str | None = None
+    routing: str = ROUTING_OFF
 
 
-def parse_run_name(stem: str) -> RunIdentity | None:
-    """The run a log file name (without ``.jsonl``) describes, or None when it does not say (:data:`NAME_PATTERN`)."""
+def _read_name(stem: str) -> tuple[RunIdentity, str | None] | None:
+    """The run a name describes and the replay mode the name states (None when it states none)."""
     match = NAME_PATTERN.search(stem)
     if match is None:
         return None
-    return RunIdentity(
+    model = stem[: match.start()].rstrip("-_") or None
+    tail = stem[match.end() :]
+    stated = ROUTING_AFTER_SEED.match(tail)
+    routing = None if stated is None else stated["routing"]
+    former = FORMER_PRESET_TAIL.fullmatch(tail)
+    if stated is None and model is None and match["lr"] is None and match["warm_seed"] is None and former:
+        model, routing = former["model"], former["routing"]
+    identity = RunIdentity(
         algorithm=match["algorithm"],
         reuse=int(match["reuse"]),
         seed=int(match["seed"]),
         lr=None if match["lr"] is None else float(match["lr"]),
         warm_seed=None if match["warm_seed"] is None else int(match["warm_seed"]),
+        model=model,
+        routing=routing or ROUTING_OFF,
     )
+    return identity, routing
+
+
+def parse_run_name(stem: str) -> RunIdentity | None:
+    """The run a log file name (without ``.jsonl``) describes, or None when it does not say (:data:`NAME_PATTERN`)."""
+    read = _read_name(stem)
+    return None if read is None else read[0]
 
 
 def identify(run: RunLog, record: RunRecord | None) -> RunIdentity:
-    """The run's identity from the manifest record, else from the log's file name."""
+    """The run's identity from the manifest record, else from the log's file name.
+
+    The manifest has no model field: a record's model is its run name's (:func:`parse_run_name`), and its routing
+    replay mode the record's ``routing``, else the run name's (the miniature records none and names an R2 run
+    ``..._r2``).
+
+    Raises:
+        ValueError: the run cannot be identified, or the record's ``routing`` contradicts its run name's suffix.
+    """
     if record is not None:
-        return RunIdentity(record.algorithm, record.reuse, record.seed)
+        read = _read_name(record.name)
+        named, stated = read if read is not None else (None, None)
+        if record.routing is not None and stated is not None and record.routing != stated:
+            raise ValueError(
+                f"{run.path}: the manifest says routing {record.routing}, its run name {record.name!r} says {stated}"
+            )
+        return RunIdentity(
+            record.algorithm,
+            record.reuse,
+            record.seed,
+            model=None if named is None else named.model,
+            routing=record.routing or stated or ROUTING_OFF,
+        )
     identity = parse_run_name(run.path.stem)
     if identity is None:
         raise ValueError(
@@ -219,11 +335,17 @@ def summarise_run(
         lr=identity.lr,
         warm_seed=identity.warm_seed,
         peak_lr=max(lrs.values()) if lrs else None,
+        model=identity.model,
+        routing=identity.routing,
     )
 
 
 def check_group_consistency(runs: list[RunSummary], logs: dict[str, RunLog]) -> list[str]:
-    """Reasons why the runs of one (algorithm, N) group must not be averaged; empty when they may."""
+    """Reasons why the runs of one group (:class:`GroupKey`) must not be averaged; empty when they may.
+
+    Model and routing replay mode are part of the group's key, so what is checked here is what else may differ: the
+    configuration (manifest hash), the learning rate, repeated seeds.
+    """
     problems = []
     hashes = {r.config_hash for r in runs if r.config_hash is not None}
     if len(hashes) > 1:
@@ -277,16 +399,27 @@ def welch_interval(a: list[float], b: list[float], confidence: float = CONFIDENC
     return (diff - half, diff + half)
 
 
+def late_difference(runs: list[RunSummary], reference: list[RunSummary]) -> tuple[float, tuple[float, float] | None]:
+    """Mean late score of ``runs`` minus that of ``reference``, in percentage points, with its Welch t interval
+    (:func:`welch_interval`, in percentage points; None with fewer than two runs on a side)."""
+    a, b = [r.late for r in runs], [r.late for r in reference]
+    ci = welch_interval(a, b)
+    return 100.0 * (statistics.fmean(a) - statistics.fmean(b)), None if ci is None else (100.0 * ci[0], 100.0 * ci[1])
+
+
 def summarise_groups(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[list[GroupSummary], list[str]]:
-    """Group runs by (algorithm, N); returns the groups and the groups refused as mixed (with reasons)."""
-    grouped: dict[tuple[str, int], list[RunSummary]] = defaultdict(list)
+    """Group runs by :class:`GroupKey` (algorithm, N, model, routing replay mode); returns the groups and the groups
+    refused as mixed (with reasons). The difference to the baseline is taken at the same N, model and routing."""
+    grouped: dict[GroupKey, list[RunSummary]] = defaultdict(list)
     for r in runs:
-        grouped[(r.algorithm, r.reuse)].append(r)
+        grouped[r.key].append(r)
+    variants = Variants.of(grouped)
     groups, refused = [], []
-    for (algorithm, reuse), members in sorted(grouped.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    # N, then the algorithm's name, as before runs had a model and a routing mode; those last, side by side.
+    for key, members in sorted(grouped.items(), key=lambda kv: (kv[0].reuse, kv[0].algorithm, *key_order(kv[0]))):
         problems = check_group_consistency(members, logs)
         if problems:
-            refused.append(f"{algorithm} N={reuse}: not averaged — " + "; ".join(problems))
+            refused.append(f"{key.algorithm} N={key.reuse}{variants.tag(key)}: not averaged — " + "; ".join(problems))
             continue
         lates = [r.late for r in members]
         vals = defaultdict(list)
@@ -295,8 +428,8 @@ def summarise_groups(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[l
                 vals[k].append(v)
         groups.append(
             GroupSummary(
-                algorithm=algorithm,
-                reuse=reuse,
+                algorithm=key.algorithm,
+                reuse=key.reuse,
                 runs=sorted(members, key=lambda r: r.seed),
                 late_mean=statistics.fmean(lates),
                 late_std=statistics.stdev(lates) if len(lates) > 1 else None,
@@ -305,22 +438,66 @@ def summarise_groups(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[l
                 length_mean=_mean_or_none([r.length for r in members]),
                 starved_mass=_starved_mass_means(members),
                 val={k: statistics.fmean(v) for k, v in vals.items()},
+                model=key.model,
+                routing=key.routing,
             )
         )
-    baseline = {g.reuse: g for g in groups if g.algorithm == algorithms.BASELINE}
+    baseline = {g.key._replace(algorithm=algorithms.BASELINE): g for g in groups if g.algorithm == algorithms.BASELINE}
     for g in groups:
-        base = baseline.get(g.reuse)
+        base = baseline.get(g.key._replace(algorithm=algorithms.BASELINE))
         if base is None or g is base:
             continue
-        g.delta_pp = 100.0 * (g.late_mean - base.late_mean)
-        ci = welch_interval([r.late for r in g.runs], [r.late for r in base.runs])
-        g.delta_ci = None if ci is None else (100.0 * ci[0], 100.0 * ci[1])
+        g.delta_pp, g.delta_ci = late_difference(g.runs, base.runs)
     return groups, refused
 
 
 @dataclass(frozen=True)
+class ReplayDifference:
+    """The late score with routing replay minus without it, for one (algorithm, N, model).
+
+    Attributes:
+        replay: the group with routing replay (its ``routing`` is one of :data:`REPLAYED`).
+        off: the group of the same algorithm, N and model without it.
+        delta_pp, delta_ci: :func:`late_difference` of ``replay``'s runs against ``off``'s.
+    """
+
+    replay: GroupSummary
+    off: GroupSummary
+    delta_pp: float
+    delta_ci: tuple[float, float] | None
+
+
+def replay_differences(groups: list[GroupSummary], runs: list[RunSummary]) -> tuple[list[ReplayDifference], list[str]]:
+    """What routing replay changes: each averaged group with replay against the group of the same algorithm, N and
+    model without it, as the method table compares a method with the baseline (:func:`late_difference`).
+
+    Returns:
+        The differences in table order (:func:`key_order`), and one line for each (algorithm, N, model, mode) with
+        replayed runs but no difference, with why.
+    """
+    by_key = {g.key: g for g in groups}
+    run_keys = {r.key for r in runs}
+    variants = Variants.of(run_keys)
+    differences, left_out = [], []
+    for key in sorted((k for k in run_keys if k.routing != ROUTING_OFF), key=key_order):
+        off_key = key._replace(routing=ROUTING_OFF)
+        name = f"{key.algorithm} N={key.reuse}{variants.tag(key)}"
+        if key not in by_key:
+            left_out.append(f"{name}: its runs are not averaged")
+        elif off_key not in run_keys:
+            left_out.append(f"{name}: no run without routing replay of the same model, algorithm and N")
+        elif off_key not in by_key:
+            left_out.append(f"{name}: its runs without routing replay are not averaged")
+        else:
+            replay, off = by_key[key], by_key[off_key]
+            differences.append(ReplayDifference(replay, off, *late_difference(replay.runs, off.runs)))
+    return differences, left_out
+
+
+@dataclass(frozen=True)
 class GapPoint:
-    """One (algorithm, N, lr) cell against the baseline's cell at the same N and lr; means over seeds.
+    """One (algorithm, N, lr) cell against the baseline's cell at the same N and lr; means over seeds. Runs of
+    different models or routing replay modes are different cells, each against the baseline's of its own.
 
     ``starved_mass`` is the :data:`INDEPENDENT` measure: each run's mean over all its optimizer updates, then the
     mean over the cell's seeds; ``baseline_starved_mass`` the same for the baseline's cell (None when one of its runs
@@ -335,65 +512,80 @@ class GapPoint:
     seeds: int
     baseline_seeds: int
     baseline_starved_mass: float | None = None
+    model: str | None = None
+    routing: str = ROUTING_OFF
+
+    @property
+    def key(self) -> GroupKey:
+        return GroupKey(self.algorithm, self.reuse, self.model, self.routing)
 
 
 def format_lr(lr: float | None) -> str:
     return "lr not logged" if lr is None else f"lr {lr:g}"
 
 
-def _cell_name(algorithm: str, reuse: int, lr: float | None) -> str:
-    return f"{algorithm} N={reuse}, {format_lr(lr)}"
+def _cell_name(key: GroupKey, lr: float | None, variants: Variants) -> str:
+    return f"{key.algorithm} N={key.reuse}{variants.tag(key)}, {format_lr(lr)}"
 
 
 def gap_points(runs: list[RunSummary], logs: dict[str, RunLog]) -> tuple[list[GapPoint], list[str]]:
-    """Late-score gap to the baseline against the method-independent starved mass, per (algorithm, N, lr) cell.
+    """Late-score gap to the baseline against the method-independent starved mass, per (algorithm, N, lr) cell (and
+    model and routing replay mode, :class:`GroupKey`).
 
-    Every identified run counts, also those of an (algorithm, N) group refused for mixing learning rates: here the
-    learning rate is part of the cell. A cell is a point when it and the baseline's cell at its N and lr hold runs
+    Every identified run counts, also those of a group refused for mixing learning rates: here the learning rate is
+    part of the cell. A cell is a point when it and the baseline's cell at its N, lr, model and routing mode hold runs
     that may be averaged (:func:`check_group_consistency`) and each of its runs logs
     :data:`INDEPENDENT_STARVED_MASS_KEY`.
 
     Returns:
         The points, in table order, and one line for each cell of another algorithm that is not a point, with why.
     """
-    cells: dict[tuple[str, int, float | None], list[RunSummary]] = defaultdict(list)
+    cells: dict[tuple[GroupKey, float | None], list[RunSummary]] = defaultdict(list)
     for r in runs:
-        cells[(r.algorithm, r.reuse, r.cell_lr)].append(r)
-    problems = {key: check_group_consistency(members, logs) for key, members in cells.items()}
+        cells[(r.key, r.cell_lr)].append(r)
+    problems = {cell: check_group_consistency(members, logs) for cell, members in cells.items()}
+    variants = Variants.of(key for key, _ in cells)
     points, left_out = [], []
-    for key in sorted(cells, key=lambda k: (algorithms.order(k[0]), k[1], -math.inf if k[2] is None else k[2])):
-        algorithm, reuse, lr = key
-        if algorithm == algorithms.BASELINE:
+    for cell in sorted(cells, key=lambda c: (algorithms.order(c[0].algorithm), *key_order(c[0]), _lr_order(c[1]))):
+        key, lr = cell
+        if key.algorithm == algorithms.BASELINE:
             continue
-        members, base_key = cells[key], (algorithms.BASELINE, reuse, lr)
-        name, base = _cell_name(*key), algorithms.display_name(algorithms.BASELINE)
-        if problems[key]:
-            left_out.append(f"{name}: not averaged — " + "; ".join(problems[key]))
+        members, base_cell = cells[cell], (key._replace(algorithm=algorithms.BASELINE), lr)
+        name, base = _cell_name(key, lr, variants), algorithms.display_name(algorithms.BASELINE)
+        where = f"N={key.reuse}{variants.tag(key)}, {format_lr(lr)}"
+        if problems[cell]:
+            left_out.append(f"{name}: not averaged — " + "; ".join(problems[cell]))
             continue
-        if base_key not in cells:
-            left_out.append(f"{name}: no {base} run at N={reuse}, {format_lr(lr)}")
+        if base_cell not in cells:
+            left_out.append(f"{name}: no {base} run at {where}")
             continue
-        if problems[base_key]:
-            left_out.append(f"{name}: {base}'s runs at N={reuse}, {format_lr(lr)} are not averaged")
+        if problems[base_cell]:
+            left_out.append(f"{name}: {base}'s runs at {where} are not averaged")
             continue
         masses = [r.starved_mass(INDEPENDENT) for r in members]
         if None in masses:
             missing = sorted(r.name for r, m in zip(members, masses) if m is None)
             left_out.append(f"{name}: {', '.join(missing)} log no {INDEPENDENT_STARVED_MASS_KEY}")
             continue
-        base_runs = cells[base_key]
+        base_runs = cells[base_cell]
         base_masses = [r.starved_mass(INDEPENDENT) for r in base_runs]
         gap = statistics.fmean(r.late for r in members) - statistics.fmean(r.late for r in base_runs)
         points.append(
             GapPoint(
-                algorithm=algorithm,
-                reuse=reuse,
+                algorithm=key.algorithm,
+                reuse=key.reuse,
                 lr=lr,
                 starved_mass=statistics.fmean(masses),
                 gap_pp=100.0 * gap,
                 seeds=len(members),
                 baseline_seeds=len(base_runs),
                 baseline_starved_mass=None if None in base_masses else statistics.fmean(base_masses),
+                model=key.model,
+                routing=key.routing,
             )
         )
     return points, left_out
+
+
+def _lr_order(lr: float | None) -> float:
+    return -math.inf if lr is None else lr

@@ -7,7 +7,15 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from respo_verl.tools.report.analysis import NAME_EXAMPLES, RunSummary, gap_points, summarise_groups, summarise_run
+from respo_verl.tools.report.analysis import (
+    NAME_EXAMPLES,
+    ROUTING_OFF,
+    RunSummary,
+    Variants,
+    gap_points,
+    summarise_groups,
+    summarise_run,
+)
 from respo_verl.tools.report.render import markdown_report, plots_section, write_plots
 from respo_verl.tools.report.routing import group_routing, routing_section, run_routing
 from respo_verl.tools.runs.logs import LogError, RunLog, read_log
@@ -131,18 +139,25 @@ def build_report(
     gap = gap_points(runs, logs_by_run)
     text = markdown_report(groups, runs, refused, skipped, reward_range, gap)
     used = [r for g in groups for r in g.runs]
-    drift = {r.name: run_routing(r.name, r.algorithm, r.reuse, r.seed, r.log_step, logs_by_run[r.name]) for r in used}
+    drift = {
+        r.name: run_routing(r.name, r.algorithm, r.reuse, r.seed, r.log_step, logs_by_run[r.name], r.model, r.routing)
+        for r in used
+    }
     routing = group_routing([d for d in drift.values() if d is not None])
-    text += "\n" + "\n".join(routing_section(routing, [name for name, d in drift.items() if d is None]))
+    without = [name for name, d in drift.items() if d is None]
+    replayed = any(r.routing != ROUTING_OFF for r in used)
+    text += "\n" + "\n".join(routing_section(routing, without, replayed))
     if metrics:
         text += "\n## Requested metrics (mean over the run, mean over seeds)\n\n"
-        text += "| method | N | " + " | ".join(metrics) + " |\n|---|---|" + "---|" * len(metrics) + "\n"
+        variants = Variants.of(g.key for g in groups)
+        header = ["method", *variants.headers(), "N", *metrics]
+        text += "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n"
         for g in groups:
-            cells = []
+            cells = [g.algorithm, *variants.cells(g.key), str(g.reuse)]
             for name in metrics:
                 per_run = [statistics.fmean(s.values()) for r in g.runs if (s := logs_by_run[r.name].series(name))]
                 cells.append(f"{statistics.fmean(per_run):.4g}" if per_run else "—")
-            text += f"| {g.algorithm} | {g.reuse} | " + " | ".join(cells) + " |\n"
+            text += "| " + " | ".join(cells) + " |\n"
     outputs = [out / "report.md"]
     try:
         out.mkdir(parents=True, exist_ok=True)

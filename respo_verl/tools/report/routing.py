@@ -11,7 +11,8 @@ should grow with j (docs/routing-replay.md). Two kinds of logs carry it:
 
 Each run's values are means over its late steps: the training steps of the report's late window (the last
 ``LATE_WINDOW`` optimizer updates, at least one step), or the whole run when it is shorter. Runs are then averaged
-over seeds within (algorithm, N).
+over seeds within a group of the report (algorithm, N, model, routing replay mode:
+:class:`~respo_verl.tools.report.analysis.GroupKey`), so that R2's drift and R3's are never averaged together.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 from respo_verl import algorithms
 from respo_verl.routing.diagnostics import BY_UPDATE, parse_update_label
+from respo_verl.tools.report.analysis import ROUTING_OFF, GroupKey, Variants, key_order
 from respo_verl.tools.runs.logs import RunLog
 from respo_verl.tools.runs.stats import LATE_WINDOW
 
@@ -55,23 +57,39 @@ class RunRouting:
     by_update: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
     overall: dict[str, float] = field(default_factory=dict)
     late_steps: int = 0
+    model: str | None = None
+    routing: str = ROUTING_OFF
+
+    @property
+    def key(self) -> GroupKey:
+        return GroupKey(self.algorithm, self.reuse, self.model, self.routing)
 
 
 def _late(series: dict[int, float], steps: int) -> list[float]:
     return [series[s] for s in sorted(series)[-steps:]]
 
 
-def run_routing(name: str, algorithm: str, reuse: int, seed: int, log_step: str, log: RunLog) -> RunRouting | None:
+def run_routing(
+    name: str,
+    algorithm: str,
+    reuse: int,
+    seed: int,
+    log_step: str,
+    log: RunLog,
+    model: str | None = None,
+    routing: str = ROUTING_OFF,
+) -> RunRouting | None:
     """The run's route drift, or None when its log has no ``actor/routing/...`` metric.
 
     Args:
         log_step: what a line of ``log`` counts, ``training`` (verl) or ``optimizer`` (the miniature).
+        model, routing: the run's model and routing replay mode (:class:`~respo_verl.tools.report.analysis.GroupKey`).
     """
     if not any(key.startswith(PREFIX + "/") for key in log.metrics):
         return None
     per_update_log = log_step == "optimizer"
     late = LATE_WINDOW if per_update_log else max(1, LATE_WINDOW // reuse)  # lines in the late window
-    out = RunRouting(name, algorithm, reuse, seed)
+    out = RunRouting(name, algorithm, reuse, seed, model=model, routing=routing)
     for metric in METRICS:
         series = log.series(f"{PREFIX}/{metric}")
         if series:
@@ -100,13 +118,20 @@ def run_routing(name: str, algorithm: str, reuse: int, seed: int, log_step: str,
 
 @dataclass
 class GroupRouting:
-    """Route drift of one (algorithm, N) group: per-run values averaged over the runs that have them."""
+    """Route drift of one group (:class:`~respo_verl.tools.report.analysis.GroupKey`): per-run values averaged over
+    the runs that have them."""
 
     algorithm: str
     reuse: int
     runs: list[RunRouting]
     by_update: dict[str, dict[tuple[int, int], float]]
     overall: dict[str, float]
+    model: str | None = None
+    routing: str = ROUTING_OFF
+
+    @property
+    def key(self) -> GroupKey:
+        return GroupKey(self.algorithm, self.reuse, self.model, self.routing)
 
     def at(self, metric: str, which: str) -> float | None:
         """``metric`` at the first (``first``) or last (``last``) update index logged; None when not logged."""
@@ -129,19 +154,18 @@ def _mean_of(dicts: list[dict]) -> dict:
 
 
 def group_routing(runs: Sequence[RunRouting]) -> list[GroupRouting]:
-    """Group by (algorithm, N), in the report's order (N, then the algorithms' table order)."""
-    grouped: dict[tuple[str, int], list[RunRouting]] = defaultdict(list)
+    """Group by :class:`~respo_verl.tools.report.analysis.GroupKey`, in the report's order (N, model, the algorithms'
+    table order, routing mode)."""
+    grouped: dict[GroupKey, list[RunRouting]] = defaultdict(list)
     for r in runs:
-        grouped[(r.algorithm, r.reuse)].append(r)
+        grouped[r.key].append(r)
     groups = []
-    for (algorithm, reuse), members in sorted(grouped.items(), key=lambda kv: (kv[0][1], algorithms.order(kv[0][0]))):
+    for key, members in sorted(grouped.items(), key=lambda kv: key_order(kv[0])):
         metrics = sorted({m for r in members for m in r.by_update})
         by_update = {m: _mean_of([r.by_update[m] for r in members if m in r.by_update]) for m in metrics}
-        groups.append(
-            GroupRouting(algorithm, reuse, sorted(members, key=lambda r: r.seed), by_update, _mean_of(
-                [r.overall for r in members]
-            ))
-        )  # fmt: skip
+        overall = _mean_of([r.overall for r in members])
+        members = sorted(members, key=lambda r: r.seed)
+        groups.append(GroupRouting(key.algorithm, key.reuse, members, by_update, overall, key.model, key.routing))
     return groups
 
 
@@ -151,11 +175,14 @@ def _cell(x: float | None, percent: bool = True) -> str:
     return f"{100.0 * x:.2f}" if percent else f"{x:.4f}"
 
 
-def routing_section(groups: list[GroupRouting], without: Sequence[str]) -> list[str]:
-    """The report's "Route drift" section: one row per (algorithm, N); ``without`` names the runs that logged no
-    routing metric. Empty when no run logged one (then the report says so in one line)."""
+def routing_section(groups: list[GroupRouting], without: Sequence[str], replayed: bool = False) -> list[str]:
+    """The report's "Route drift" section: one row per group; ``without`` names the runs that logged no
+    routing metric. Empty when no run logged one (then the report says so in one line, which says whether some of
+    the runs replayed routing: ``replayed``)."""
     if not groups:
-        return ["## Route drift", "", "No run logged routing metrics (`actor/routing/...`: routing replay off).", ""]
+        why = "those with routing replay included" if replayed else "routing replay off"
+        return ["## Route drift", "", f"No run logged routing metrics (`actor/routing/...`: {why}).", ""]
+    variants = Variants.of(g.key for g in groups)
     lines = [
         "## Route drift",
         "",
@@ -165,21 +192,28 @@ def routing_section(groups: list[GroupRouting], without: Sequence[str]) -> list[
         "R2 its routes are j updates stale; overlap: mean |replayed ∩ live| / k over all updates; any-layer flip: "
         "share of tokens flipped in at least one layer (%), at the last j and over all updates.",
         "",
-        "| method | N | seeds | late steps | flip, j = 0 | flip, last j | last j | flip, all j | overlap, all j "
+        "| "
+        + " | ".join(["method", *variants.headers(), "N", "seeds", "late steps"])
+        + " | flip, j = 0 | flip, last j | last j | flip, all j | overlap, all j "
         "| any-layer flip, last j | any-layer flip, all j |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(variants.headers()),
     ]
     for g in groups:
         seeds = ",".join(str(r.seed) for r in g.runs)
         steps = ",".join(str(r.late_steps) for r in g.runs)
         first = g.by_update.get(FLIP, {}).get((0, 0))
+        ident = " | ".join([algorithms.display_name(g.algorithm), *variants.cells(g.key), str(g.reuse)])
         lines.append(
-            f"| {algorithms.display_name(g.algorithm)} | {g.reuse} | {seeds} | {steps} | {_cell(first)} "
+            f"| {ident} | {seeds} | {steps} | {_cell(first)} "
             f"| {_cell(g.at(FLIP, 'last'))} | {g.last_label() or '—'} | {_cell(g.overall.get(FLIP))} "
             f"| {_cell(g.overall.get(OVERLAP), percent=False)} | {_cell(g.at(ANY_LAYER, 'last'))} "
             f"| {_cell(g.overall.get(ANY_LAYER))} |"
         )
-    no_j = [f"{algorithms.display_name(g.algorithm)} N={g.reuse}" for g in groups if FLIP not in g.by_update]
+    no_j = [
+        f"{algorithms.display_name(g.algorithm)} N={g.reuse}{variants.tag(g.key)}"
+        for g in groups
+        if FLIP not in g.by_update
+    ]
     if no_j:
         lines += ["", f"No per-update values (logs from before `by_update` keys): {', '.join(no_j)}."]
     if without:

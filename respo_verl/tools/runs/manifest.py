@@ -1,8 +1,9 @@
 """The run manifest: one JSON object per line describing a run of a sweep (or of the miniature).
 
-The report groups runs by (algorithm, N) and refuses to average runs whose ``config_hash`` differ within a group:
-the hash covers the composed configuration *minus* the swept keys (seed, run name, logging paths), so two seeds of
-one setting share it and a changed learning rate does not.
+The report groups runs by (algorithm, N, model, routing replay mode) and refuses to average runs whose
+``config_hash`` differ within a group: the hash covers the composed configuration *minus* the swept keys (seed, run
+name, logging paths), so two seeds of one setting share it and a changed learning rate does not. A record has no model
+field: the report reads the model from the run name (``<model>-<algorithm>-n<N>-s<seed>[-<routing>]``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from respo_verl import algorithms
+from respo_verl.routing.mode import REPLAY_MODES
 from respo_verl.run.checkpoint import write_atomic
 from respo_verl.tools.runs.logs import LOG_STEPS
 
@@ -46,7 +48,7 @@ class RunRecord:
         config_hash: hash of the configuration without the swept keys (see module docstring).
         command: the command line that runs it.
         env: environment variables the command needs.
-        preset, routing: cluster preset and routing mode, when set.
+        preset, routing: cluster preset and routing replay mode (one of ``off``, ``r2``, ``r3``), when set.
         versions: package versions at sweep time.
         source: ``verl`` (a trainer run) or ``mini`` (the CPU experiment).
         log_step: what the ``step`` of a log line counts: ``training`` (verl: one line per rollout batch, N
@@ -78,6 +80,10 @@ class RunRecord:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"run {self.name}: {key} must be an integer, got {value!r}")
+        if self.routing is not None and self.routing not in REPLAY_MODES:
+            raise ValueError(
+                f"run {self.name}: routing must be one of {', '.join(REPLAY_MODES)} (or absent), got {self.routing!r}"
+            )
         if self.log_step not in LOG_STEPS:
             raise ValueError(f"run {self.name}: log_step must be one of {LOG_STEPS}, got {self.log_step!r}")
         if self.reuse < 1 or self.optimizer_steps % self.reuse:

@@ -16,6 +16,7 @@ from respo_verl.core.diagnostics import INDEPENDENT_STARVED_MASS_KEY
 from respo_verl.tools.report.analysis import (
     INDEPENDENT,
     LOSS_OWN,
+    GroupKey,
     gap_points,
     parse_run_name,
     summarise_groups,
@@ -25,6 +26,11 @@ from respo_verl.tools.report.render import gap_figure, starved_mass_bands
 from respo_verl.tools.runs.logs import read_log
 
 UPDATES = 64  # shorter than the late window: the late score is the mean over the whole run
+
+
+def key(algorithm: str, reuse: int) -> GroupKey:
+    """The group of the miniature's runs: their names say no model and no routing replay."""
+    return GroupKey(algorithm, reuse, None, "off")
 
 
 def mini_log(
@@ -107,7 +113,7 @@ def test_a_log_with_only_the_loss_s_own_share_shows_it_labelled_as_the_loss_s_ow
     assert "starved mass (loss's own φ) is `actor/<loss>/starved_mass_share`" in text
     groups = _groups(folder)
     assert starved_mass_bands(groups, INDEPENDENT) == {}
-    assert starved_mass_bands(groups, LOSS_OWN)[("respo", 8)].mean == pytest.approx([0.25] * UPDATES)
+    assert starved_mass_bands(groups, LOSS_OWN)[key("respo", 8)].mean == pytest.approx([0.25] * UPDATES)
     # One plot file per measure: only the loss's own is logged, so only its plot is written and listed.
     assert (tmp_path / "report" / "starved_mass_share_loss.png").stat().st_size > 0
     assert not (tmp_path / "report" / "starved_mass_share.png").exists()
@@ -124,10 +130,12 @@ def _groups(folder: Path):
 def test_the_starved_mass_plot_draws_the_method_independent_measure_for_every_method(tmp_path):
     groups = _groups(four_methods(tmp_path / "logs"))
     bands = starved_mass_bands(groups, INDEPENDENT)
-    assert set(bands) == {("respo", 8), ("vespo", 8), ("grpo", 8), ("gspo", 8)}
+    assert set(bands) == {key("respo", 8), key("vespo", 8), key("grpo", 8), key("gspo", 8)}
     half = UPDATES // 2
-    assert bands[("grpo", 8)].mean == pytest.approx([0.35] * half + [0.25] * half)  # seeds (0.30, 0.10), (0.40, 0.40)
-    assert set(starved_mass_bands(groups, LOSS_OWN)) == {("respo", 8), ("vespo", 8)}
+    assert bands[key("grpo", 8)].mean == pytest.approx(
+        [0.35] * half + [0.25] * half
+    )  # seeds (0.30, 0.10), (0.40, 0.40)
+    assert set(starved_mass_bands(groups, LOSS_OWN)) == {key("respo", 8), key("vespo", 8)}
 
 
 def test_a_seed_without_the_measure_is_counted_and_its_cell_left_out_of_the_gap_plot(tmp_path):

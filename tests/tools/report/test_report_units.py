@@ -13,7 +13,14 @@ from support.report_logs import runs_and_logs
 from respo_verl import algorithms
 from respo_verl.cli import main as cli_main
 from respo_verl.run.resolvers import run_name
-from respo_verl.tools.report.analysis import LOSS_OWN, RunIdentity, parse_run_name, summarise_groups, summarise_run
+from respo_verl.tools.report.analysis import (
+    LOSS_OWN,
+    GroupKey,
+    RunIdentity,
+    parse_run_name,
+    summarise_groups,
+    summarise_run,
+)
 from respo_verl.tools.report.render import (
     ZERO_PLOT_TOP,
     _short_run_note,
@@ -85,8 +92,8 @@ def _groups(folder: Path):
 def test_starved_mass_plot_is_one_mean_line_per_group_over_the_updates_run(tmp_path):
     groups = _groups(mini_folder(tmp_path))
     bands = starved_mass_bands(groups, LOSS_OWN)
-    assert set(bands) == {("respo", N), ("vespo", N)}
-    respo = bands[("respo", N)]
+    assert set(bands) == {GroupKey("respo", N, None, "off"), GroupKey("vespo", N, None, "off")}
+    respo = bands[GroupKey("respo", N, None, "off")]
     assert respo.steps == list(range(1, UPDATES + 1)) and respo.seeds == 2
     assert respo.mean[0] == pytest.approx(0.25) and respo.high[0] - respo.mean[0] == pytest.approx(0.0707107, abs=1e-6)
     fig = starved_mass_figure(groups, LOSS_OWN)
@@ -101,7 +108,7 @@ def test_starved_mass_plot_of_training_step_logs_spans_the_updates(tmp_path):
             for s in range(1, 5)]  # fmt: skip
     (tmp_path / "m-vespo-n8-s0.jsonl").write_text("\n".join(rows) + "\n")
     bands = starved_mass_bands(_groups(tmp_path), LOSS_OWN)
-    assert bands[("vespo", N)].steps == list(range(1, 4 * N + 1))  # 4 training steps of 8 updates
+    assert bands[GroupKey("vespo", N, "m", "off")].steps == list(range(1, 4 * N + 1))  # 4 training steps of 8 updates
 
 
 def test_reward_range_01_on_pm1_logs_is_refused(tmp_path, capsys):
@@ -152,18 +159,37 @@ def test_the_early_window_caveat_counts_the_short_runs_and_is_absent_without_the
 @pytest.mark.parametrize("routing", [None, "r2", "r3"])
 @pytest.mark.parametrize("algorithm", algorithms.NAMES)
 def test_the_run_name_scheme_is_read_back_from_a_log_name(algorithm, routing):
-    """The one scheme (respo_verl.run.resolvers.run_name), a model folder's name with dots and dashes as its model."""
+    """The one scheme (respo_verl.run.resolvers.run_name), a model folder's name with dots and dashes as its model,
+    and the routing replay mode its suffix says (none: off)."""
     name = run_name("Qwen3-30B-A3B-Base", algorithm, 16, 42, routing)
-    assert parse_run_name(name) == RunIdentity(algorithm, 16, 42)
+    assert parse_run_name(name) == RunIdentity(algorithm, 16, 42, model="Qwen3-30B-A3B-Base", routing=routing or "off")
 
 
 def test_the_miniature_s_log_names_are_parsed():
     """experiments/mini/train.py names its logs ``<algo>_n<N>_lr<lr:.0e>_w<warm seed>_seed<seed>[_r2]``."""
     assert parse_run_name("respo_n32_lr4e-04_w0_seed0") == RunIdentity("respo", 32, 0, lr=4e-4, warm_seed=0)
-    assert parse_run_name("vespo_n8_lr2e-04_w1_seed3_r2") == RunIdentity("vespo", 8, 3, lr=2e-4, warm_seed=1)
-    assert parse_run_name("qwen3-30b-a3b-gspo-n16-s2") == RunIdentity("gspo", 16, 2)
+    r2 = RunIdentity("vespo", 8, 3, lr=2e-4, warm_seed=1, routing="r2")
+    assert parse_run_name("vespo_n8_lr2e-04_w1_seed3_r2") == r2
+    assert parse_run_name("vespo_n8_lr2e-04_w1_seed3_r2_ho") == r2  # held out: the routing mode is still read
+    assert parse_run_name("qwen3-30b-a3b-gspo-n16-s2") == RunIdentity("gspo", 16, 2, model="qwen3-30b-a3b")
     assert parse_run_name("respo_n32_seed1") == RunIdentity("respo", 32, 1)
     assert parse_run_name("stray") is None
+
+
+def test_the_presets_former_names_give_their_model_and_routing():
+    """The presets named runs ``<algorithm>_n<N>_seed<seed>_<model folder>[_<routing>]`` before run_name."""
+    assert parse_run_name("respo_n4_seed1_Qwen3-30B-A3B_r3") == RunIdentity(
+        "respo", 4, 1, model="Qwen3-30B-A3B", routing="r3"
+    )
+    assert parse_run_name("grpo_n32_seed7_Qwen3-1.7B") == RunIdentity("grpo", 32, 7, model="Qwen3-1.7B")
+    assert parse_run_name("gspo_n1_seed0_m_r2") == RunIdentity("gspo", 1, 0, model="m", routing="r2")
+
+
+def test_a_model_named_like_an_algorithm_is_the_model():
+    """The algorithm is the first one followed by ``-n<N>``; what comes before it is the model, whatever it says."""
+    assert parse_run_name("grpo-distill-respo_pos-n8-s3-r3") == RunIdentity(
+        "respo_pos", 8, 3, model="grpo-distill", routing="r3"
+    )
 
 
 def test_a_folder_of_the_miniature_s_logs_without_its_manifest_is_reported(tmp_path):
