@@ -7,6 +7,7 @@ shows: docs/internals.md, "A process the step waits on that dies".
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -97,6 +98,29 @@ def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: s
                 f"the step waited for {waiting_for} (the server's actor lives on; a vLLM server's engine core process "
                 f"ended): {error}"
             )
+
+
+def await_created(actors: list[tuple[str, list]], when: str) -> None:
+    """Wait until each of ``actors`` (:func:`watched_actors`) has been created: the end of the set-up, before the first
+    step calls them. One whose creation failed raises :class:`ActorDied`, named with ``when`` (the set-up's stage), its
+    role and index, its class and pid, and the line its constructor raised. The wait has no bound of its own: the
+    driver's set-up deadline (``run_guard.max_setup_s``) holds it."""
+    import ray
+    from ray.exceptions import ActorDiedError
+
+    for kind, handles in actors:
+        for index, handle in enumerate(handles):
+            try:
+                ray.get(handle.__ray_ready__.remote())
+            except ActorDiedError as exc:
+                text = str(exc)
+                cls, pid = re.search(r":(\w+)\.__init__\(", text), re.search(r"\bpid=(\d+)", text)
+                who = f"{cls[1] if cls else 'an actor'}" + (f", pid {pid[1]}" if pid else "")
+                if "creation task" in text:
+                    reason = "its creation task raised " + [line.strip() for line in text.splitlines() if line][-1]
+                else:
+                    reason = dead_actor(exc)[2]
+                raise ActorDied(f"{when}: {kind} {index} of {len(handles)} ({who}) has died: {reason}") from None
 
 
 def engine_dead(server: Any) -> str | None:

@@ -33,7 +33,7 @@ from respo_verl.routing.mode import replay_mode
 from respo_verl.run import checkpoint
 from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, StepGuards, check_guards, failed_sample_metrics
 from respo_verl.run.hooks import TIMED_PHASES, in_prompt_order, phase_timers, trainer_hooks
-from respo_verl.run.liveness import SampleWait, watch_replay_buffer, watched_actors
+from respo_verl.run.liveness import SampleWait, await_created, watch_replay_buffer, watched_actors
 from respo_verl.run.liveness import waits_on as count_actors
 from respo_verl.run.nodes import record_placement
 from respo_verl.run.stops import (
@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 DAPO_COUNTS_KEY = "_dapo_filtered_reward_counts"
 # What a stage of the set-up waits on before its worker groups exist: the driver counts the actors verl creates.
 SETUP_WAITS = "the trainer (TaskRunner) and the actors verl creates for it"
+AGENT_LOOP_STAGE = "the agent loop"
 
 
 class RespoTrainer(PPOTrainerSync):
@@ -96,7 +97,7 @@ class RespoTrainer(PPOTrainerSync):
         self._setup_stage("the first weight sync", count_actors(self, UPDATE_WORKER, ROLLOUT_SERVER))
         super().on_init_end()
         # then verl's TaskRunner builds the agent loop, whose workers nothing calls before the first step
-        self._setup_stage("the agent loop")
+        self._setup_stage(AGENT_LOOP_STAGE)
 
     def on_validate_begin(self):
         self._board.enter(self.global_steps, "validation", count_actors(self, *GENERATION_ACTORS))
@@ -150,9 +151,12 @@ class RespoTrainer(PPOTrainerSync):
         if self._sample_wait is not None:
             self._sample_wait.begin(self.global_steps)
 
-    def fit(self, *args, **kwargs):
+    def fit(self, agent_loop_manager, *args, **kwargs):
+        # the set-up ends once the actors the first step calls exist: one that failed stops the run here, named
+        self.agent_loop_manager = agent_loop_manager
+        await_created(watched_actors(self), setup_phase(AGENT_LOOP_STAGE))
         try:
-            return super().fit(*args, **kwargs)
+            return super().fit(agent_loop_manager, *args, **kwargs)
         except RunStopped:
             raise
         except Exception as exc:  # a dead actor the step called, non-finite values: one line naming the step

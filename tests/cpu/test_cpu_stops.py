@@ -44,6 +44,8 @@ def kit():
 # step or the one after (a step whose rewards were all in by then ends as usual).
 KILLED_AFTER = 3
 STEPS = KILLED_AFTER + 2
+# What the agent-loop worker of tests/support/cpu_modules/raising_agent_loop.py raises in its constructor.
+RAISED = "raising_agent_loop: this agent-loop worker's constructor raises"
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +133,39 @@ def test_the_runs_reward_worker_killed_mid_run_stops_the_run_within_a_minute(sta
     assert [line["step"] for line in stale_server_run["lines"]] == list(range(1, step)), found[0]
     assert seconds < 60, f"the driver ended {seconds:.0f} s after the kill"
     print(f"reward worker pid {pid} killed; driver exit {stale_server_run['rc']} after {seconds:.1f} s: {found[0]}")
+
+
+def test_an_agent_loop_worker_whose_constructor_raises_stops_the_set_up_naming_it(kit, tmp_path):
+    """verl creates its agent-loop workers at the end of the set-up and calls none of them before the first step; this
+    run's one worker raises in its constructor (tests/support/cpu_modules/raising_agent_loop.py, through verl's own
+    agent_loop_manager_class). The set-up stops within seconds of the failure, in one line naming the stage, the
+    worker and what its constructor raised: the trainer's wait for its actors or the driver's look at the set-up,
+    whichever comes first. No step runs."""
+    seen: dict = {}
+
+    def note_the_failure(proc, out: str) -> None:
+        if "seen" not in seen and RAISED in out:  # Ray echoes the worker's traceback to the driver
+            seen["seen"] = time.monotonic()
+
+    command = cpu_runs.command(
+        tmp_path / "ckpt",
+        1,
+        2,
+        "trainer.save_freq=-1",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=raising_agent_loop.RaisingAgentLoopManager",
+        *cpu_runs.extra_modules("raising_agent_loop"),
+    )
+    rc, out = cpu_runs.launch(tmp_path, command, timeout=420, while_running=note_the_failure)
+    ended = time.monotonic()
+    assert rc == EXIT_ACTOR_DIED, out[-4000:]
+    found = cpu_runs.stop_line(
+        out,
+        rf"\(dead actor, exit {EXIT_ACTOR_DIED}\): set-up \(the agent loop\): agent-loop worker 0( of 1)? "
+        rf"\(RaisingAgentLoopWorker, pid \d+\) has died: its creation task raised RuntimeError: {re.escape(RAISED)} "
+        r"\(a test fault\)",
+    )
+    assert not cpu_runs.logged_steps(tmp_path / "log.jsonl"), out[-4000:]
+    # the half-second polls of the output see Ray's echo of the failure; the run ends well within a minute of it
+    assert "seen" in seen and ended - seen["seen"] < 60, (seen, ended)
+    print(f"the set-up stopped {ended - seen['seen']:.1f} s after the failure was echoed: {found[0]}")
