@@ -18,8 +18,10 @@ from respo_verl.patches import mbridge_0_15_1, megatron_core_0_16_1, verl_0_9_1
 
 
 def enable_megatron_on_cpu() -> None:
-    """Apply megatron-core's and mbridge's CPU patches and verl's engine functions for padded CPU batches (once)."""
+    """Apply megatron-core's and mbridge's CPU patches (the distributed optimizer's included) and verl's engine
+    functions for padded CPU batches (once)."""
     megatron_core_0_16_1.CPU.apply()
+    megatron_core_0_16_1.DISTRIBUTED_OPTIMIZER.apply()
     mbridge_0_15_1.LOCAL_LAYERS.apply()
     verl_0_9_1.MEGATRON_ENGINE_ON_CPU.apply()
 

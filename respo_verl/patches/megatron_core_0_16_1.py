@@ -42,6 +42,26 @@ megatron's model-parallel state stays with the caller.
 
 Delete when: megatron-core runs on CPU without it (device-agnostic current device, streams and RNG tracker), or
 when no CPU test or benchmark drives megatron-core any more.
+
+:data:`DISTRIBUTED_OPTIMIZER`, applied with it by the CPU Megatron engine, runs megatron-core's distributed optimizer
+(``use_distributed_optimizer``, the cluster presets' setting) on host parameters with torch's Adam, the one Adam
+megatron-core takes where Transformer Engine and Apex are absent. Three methods of ``DistributedOptimizer``, each the
+original with a step before or after it:
+
+- ``_build_model_and_main_param_groups`` sorts the parameters by ``.type()`` and refuses any name but
+  ``torch.cuda.{Float,Half,BFloat16}Tensor``: it runs while a host tensor's ``.type()`` names its CUDA type (a
+  ``Patch`` of ``Tensor.type`` for the call only; the dtype is still what is checked);
+- ``state_dict`` reads torch's Adam's step count from per-parameter state that torch creates at the first step, so a
+  fresh optimizer (each resume builds its sharded state dict on one) failed ``assert len(steps) == 1``: it is first
+  given what that step would create (step 0, zero moments);
+- ``load_state_dict`` runs under ``torch.no_grad()`` (the ``dp_reshardable`` load copies into fp32 main parameters,
+  which are views of the model's parameters) and then gives each parameter's state the checkpoint's step count in a
+  tensor of its own (megatron-core shares one tensor among them and the ``dp_reshardable`` load overwrites it with
+  the fresh optimizer's step: a resume restarted Adam's bias correction at step 0, and torch's single-tensor Adam
+  added 1 to the shared tensor once per parameter).
+
+Delete when: megatron-core's distributed optimizer accepts host tensors and saves and loads torch's Adam's step
+count per parameter, or when the CPU presets leave the distributed optimizer off.
 """
 
 from __future__ import annotations
@@ -202,3 +222,135 @@ def _install(patch: Patch) -> None:
 
 
 CPU = Patch("megatron-core on CPU: CUDA-only calls of a forward/backward", "megatron-core", "0.16.1", _install)
+
+
+def _host_type_as_cuda(original_type):
+    """``Tensor.type()`` naming a host tensor's CUDA type (``torch.FloatTensor`` → ``torch.cuda.FloatTensor``)."""
+
+    @functools.wraps(original_type)
+    def type_(self, *args, **kwargs):
+        name = original_type(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    return type_
+
+
+def _install_host_types_as_cuda(patch: Patch) -> None:
+    import torch
+
+    patch.replace(
+        torch.Tensor, "type", _host_type_as_cuda(torch.Tensor.type), "the shards' dtype check names CUDA types"
+    )
+
+
+def _shards_of_host_parameters(original):
+    """``DistributedOptimizer._build_model_and_main_param_groups`` run while a host tensor's ``.type()`` names its
+    CUDA type: megatron-core sorts the parameters into fp32 and fp16/bf16 shards by ``.type()`` and refuses any
+    name outside ``torch.cuda.{Float,Half,BFloat16}Tensor``. Only for the call: a Patch of its own, removed after."""
+
+    @functools.wraps(original)
+    def build(cls, *args, **kwargs):
+        names = Patch("host tensors named by their CUDA type", "megatron-core", "0.16.1", _install_host_types_as_cuda)
+        names.apply()
+        try:
+            return original(cls, *args, **kwargs)
+        finally:
+            names.remove()
+
+    return classmethod(build)
+
+
+def _torch_adam(distributed_optimizer) -> bool:
+    """True where megatron-core steps with torch's Adam (Transformer Engine and Apex absent: its step-count branch)."""
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    inner = distributed_optimizer.optimizer
+    return not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _state_dict_of_a_fresh_adam(original):
+    """``DistributedOptimizer.state_dict`` that also answers before the first step: with torch's Adam megatron-core
+    reads the step count from the per-parameter state, which torch's Adam creates only at its first step
+    (``assert len(steps) == 1`` on an optimizer that has not stepped: every resume, as the load builds its sharded
+    state dict first). The state is first given what that first step would create (step 0, zero moments)."""
+
+    @functools.wraps(original)
+    def state_dict(self):
+        if _torch_adam(self) and not self.optimizer.state:
+            import torch
+
+            for group in self.optimizer.param_groups:
+                for main_param in group["params"]:
+                    state = self.optimizer.state[main_param]
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
+                        state[key] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
+        return original(self)
+
+    return state_dict
+
+
+def _load_state_dict_of_fp32_shards(original):
+    """``DistributedOptimizer.load_state_dict`` for fp32 parameters and torch's Adam:
+
+    - under ``torch.no_grad()``: with fp32 parameters the optimizer's main parameters are views of the model's
+      (no fp32 copy is made), and the ``dp_reshardable`` load copies into them in place, which autograd refuses for a
+      view of a leaf that requires grad (``load_parameter_state_from_dp_reshardable`` has no ``no_grad``, the
+      ``fully_sharded_model_space`` load has);
+    - then each parameter's Adam state gets the checkpoint's step count, a tensor of its own. With torch's Adam
+      megatron-core saves the step once, in the param groups, and loads it into one tensor that every parameter's
+      state shares; the ``dp_reshardable`` load then copies into it the step of the state being loaded into (a
+      fresh optimizer's 0: the step is not saved per parameter, the state it was built from stands in for it), and
+      torch's single-tensor Adam (the CPU's) adds 1 to a shared tensor once per parameter. Adam's bias correction
+      after a resume would use neither the right step nor the same one for every parameter.
+    """
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        import torch
+
+        with torch.no_grad():
+            original(self, state_dict)
+        groups = state_dict.get("optimizer", {}).get("param_groups", []) if isinstance(state_dict, dict) else []
+        steps = {group["step"] for group in groups if "step" in group}
+        if _torch_adam(self) and len(steps) == 1:
+            (step,) = steps
+            for state in self.optimizer.state.values():
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+    return load_state_dict
+
+
+def _install_distributed_optimizer(patch: Patch) -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = vars(DistributedOptimizer)["_build_model_and_main_param_groups"].__func__
+    patch.replace(
+        DistributedOptimizer,
+        "_build_model_and_main_param_groups",
+        _shards_of_host_parameters(original),
+        "it accepts parameters whose .type() names torch.cuda.* only",
+    )
+    patch.replace(
+        DistributedOptimizer,
+        "state_dict",
+        _state_dict_of_a_fresh_adam(vars(DistributedOptimizer)["state_dict"]),
+        "with torch's Adam it reads the step from state that exists only after a first step",
+    )
+    patch.replace(
+        DistributedOptimizer,
+        "load_state_dict",
+        _load_state_dict_of_fp32_shards(vars(DistributedOptimizer)["load_state_dict"]),
+        "in-place copies into fp32 views of parameters; one step tensor shared by every parameter",
+    )
+
+
+DISTRIBUTED_OPTIMIZER = Patch(
+    "megatron-core on CPU: the distributed optimizer with host parameters and torch's Adam",
+    "megatron-core",
+    "0.16.1",
+    _install_distributed_optimizer,
+)
