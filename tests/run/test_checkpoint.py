@@ -26,15 +26,24 @@ from respo_verl.run.stops import RunStopped
 
 
 def _cfg(folder, train_batch_size=8, mini=2, seed=0, **trainer):
+    """A job on one node of two GPUs (FSDP, verl's default engine); ``trainer`` overrides trainer keys."""
     return OmegaConf.create(
         {
             "data": {"train_batch_size": train_batch_size},
             "actor_rollout_ref": {
                 "actor": {"ppo_mini_batch_size": mini, "policy_loss": {"loss_mode": "respo"}},
-                "rollout": {"n": 4, "seed": seed},
+                # as verl's config: the rollout's copy of the GPUs per node follows the trainer's
+                "rollout": {"n": 4, "seed": seed, "n_gpus_per_node": "${trainer.n_gpus_per_node}"},
                 "model": {"path": "/models/Qwen3-1.7B"},
             },
-            "trainer": {"default_local_dir": str(folder), "resume_mode": "auto", "total_training_steps": 10, **trainer},
+            "trainer": {
+                "default_local_dir": str(folder),
+                "resume_mode": "auto",
+                "total_training_steps": 10,
+                "nnodes": 1,
+                "n_gpus_per_node": 2,
+                **trainer,
+            },
             "run_guard": {"enable": True},
         }
     )
@@ -241,6 +250,255 @@ def test_the_marker_is_complete_json(tmp_path):
     info = json.loads((path / checkpoint.MARKER).read_text())
     assert info["fingerprint"] == checkpoint.fingerprint(cfg) and info["summary"]["N"] == 4 and info["step"] == 1
     assert not list(path.glob(f".{checkpoint.MARKER}.*"))  # no temporary file left beside it
+
+
+# --- the layout, compared apart --------------------------------------------------------------------------------------
+
+MEGATRON = "actor_rollout_ref.actor.megatron"
+
+
+def _mcore_cfg(folder, tp=1, ep=2, fully_reshardable=False, distributed=True, lr=1e-3, **trainer):
+    """A Megatron job (MoE, routing replay R3), the reference following the actor's layout as in verl's config."""
+    megatron = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "context_parallel_size": 1,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": None,
+        "use_distributed_optimizer": distributed,
+        "dist_ckpt_optim_fully_reshardable": fully_reshardable,
+    }
+    ref = {key: f"${{{MEGATRON}.{key}}}" for key in megatron}
+    megatron["router_replay"] = {"mode": "R3"}
+    node = {"strategy": "megatron", "megatron": megatron, "optim": {"lr": lr}}
+    return OmegaConf.merge(_cfg(folder, **trainer), {"actor_rollout_ref": {"actor": node, "ref": {"megatron": ref}}})
+
+
+def _hf_weights(checkpoint_path):
+    """The HF copy of the weights verl's Megatron checkpoint manager saves (``model`` in save_contents)."""
+    hf = checkpoint_path / "actor" / "model" / "huggingface"
+    hf.mkdir(parents=True)
+    (hf / "model.safetensors").write_bytes(b"weights")
+    return hf
+
+
+def _overrides(line, after):
+    """The ``key=value`` overrides a refusal names after ``after``, up to the closing parenthesis."""
+    return line.split(after, 1)[1].split(")", 1)[0].split()
+
+
+def test_the_marker_records_the_layout_and_the_fingerprint_leaves_it_out(tmp_path):
+    cfg = _mcore_cfg(tmp_path, tp=1, ep=2, nnodes=2, n_gpus_per_node=4)
+    info = json.loads((_save(tmp_path, 1, cfg) / checkpoint.MARKER).read_text())
+    assert info["layout"] == {
+        "backend": "megatron",
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "context_parallel_size": 1,
+        "expert_model_parallel_size": 2,
+        "expert_tensor_parallel_size": 1,  # null: megatron takes TP
+        "data_parallel_size": 8,  # 2 nodes × 4 GPUs / (TP × PP × CP)
+        "nnodes": 2,
+        "n_gpus_per_node": 4,
+        "use_distributed_optimizer": True,
+        "optimizer_format": "dp_reshardable",
+        "routing": "r3",
+        "model": "/models/Qwen3-1.7B",
+    }
+    wider = _mcore_cfg(tmp_path, tp=2, ep=4, nnodes=4, n_gpus_per_node=8, fully_reshardable=True)
+    assert checkpoint.identity(wider)["layout"]["data_parallel_size"] == 16
+    assert checkpoint.identity(wider)["layout"]["optimizer_format"] == "fully_reshardable"
+    assert checkpoint.fingerprint(wider) == info["fingerprint"]  # the layout is compared apart
+    assert checkpoint.identity(_mcore_cfg(tmp_path, distributed=False))["layout"]["optimizer_format"] == (
+        "not distributed"
+    )
+    fsdp = checkpoint.identity(_cfg(tmp_path, nnodes=1, n_gpus_per_node=8))["layout"]
+    assert (fsdp["backend"], fsdp["data_parallel_size"], fsdp["nnodes"], fsdp["n_gpus_per_node"]) == ("fsdp", 8, 1, 8)
+    with pytest.raises(ValueError, match=r"^trainer.nnodes unset: a checkpoint records the layout it is saved on$"):
+        checkpoint.identity(_cfg(tmp_path, nnodes=None))
+
+
+def test_the_same_layout_resumes_without_a_word(tmp_path):
+    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=2))
+    plan = plan_resume(_mcore_cfg(tmp_path, ep=2, total_training_steps=20))
+    assert plan.resume_from == path and plan.warnings == ()
+
+
+def test_a_change_of_data_parallel_only_resumes_from_dp_reshardable_with_one_warning(tmp_path):
+    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=2, nnodes=1, n_gpus_per_node=2))
+    plan = plan_resume(_mcore_cfg(tmp_path, ep=2, nnodes=2, n_gpus_per_node=2))  # a second node, EP as saved
+    assert plan.resume_from == path
+    assert plan.warnings == (
+        f"layout changed since {path}: data_parallel_size 2 -> 4, nodes × GPUs 1×2 -> 2×2; the optimizer was saved "
+        "dp_reshardable: megatron-core reshards it in data parallel",
+    )
+
+
+def test_an_expert_parallel_change_from_dp_reshardable_is_refused_naming_both_ways_out(tmp_path):
+    saved = _mcore_cfg(tmp_path, ep=2, nnodes=1, n_gpus_per_node=2)
+    path = _save(tmp_path, 2, saved)
+    hf = _hf_weights(path)
+    smaller = _mcore_cfg(tmp_path, ep=1, nnodes=1, n_gpus_per_node=1)  # the same run on one slot
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(smaller)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith(
+        f"layout changed since {path}: expert_model_parallel_size 2 -> 1, data_parallel_size 2 -> 1, nodes × GPUs "
+        "1×2 -> 1×1; the optimizer was saved dp_reshardable, which megatron-core reshards in data parallel only"
+    )
+    assert "belongs to another run" not in line
+    back = _overrides(line, "Resume on the saved layout (")
+    assert back == [f"{MEGATRON}.expert_model_parallel_size=2", "trainer.nnodes=1", "trainer.n_gpus_per_node=2"]
+    assert line.endswith(
+        f"or start from its weights with a fresh optimizer and step 0: actor_rollout_ref.model.path={hf} "
+        "trainer.experiment_name=<a new name>"
+    )
+    # the first way out: the saved layout resumes, without a word
+    plan = plan_resume(OmegaConf.merge(smaller, OmegaConf.from_dotlist(back)))
+    assert plan.resume_from == path and plan.warnings == ()
+
+
+def test_the_weights_way_out_starts_a_run_of_its_own(tmp_path):
+    """Followed as the refusal says it, in a job whose folder is named by the run (as the presets' is)."""
+    folder = f"{tmp_path}/${{trainer.experiment_name}}"
+    path = _save(tmp_path / "run", 2, _mcore_cfg(tmp_path, ep=2, default_local_dir=folder, experiment_name="run"))
+    smaller = _mcore_cfg(tmp_path, ep=1, n_gpus_per_node=1, default_local_dir=folder, experiment_name="run")
+    with pytest.raises(CheckpointError, match=r"(?<=HF weights of a checkpoint that holds them: this one does not)"):
+        plan_resume(smaller)  # no HF copy yet: the line names what saves one
+    hf = _hf_weights(path)
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(smaller)
+    restart = str(err.value).split("fresh optimizer and step 0: ", 1)[1].replace("<a new name>", "run-from-step-2")
+    fresh = OmegaConf.merge(smaller, OmegaConf.from_dotlist(restart.split()))
+    assert fresh.actor_rollout_ref.model.path == str(hf)
+    assert plan_resume(fresh).resume_from is None  # a folder of its own: a fresh start, the checkpoint left alone
+    again = _save(tmp_path / "run-from-step-2", 1, fresh)
+    assert plan_resume(fresh).resume_from == again  # and a relaunch with the same overrides resumes it
+
+
+def test_an_expert_parallel_change_from_fully_reshardable_resumes_with_one_warning(tmp_path):
+    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=2, n_gpus_per_node=2, fully_reshardable=True))
+    plan = plan_resume(_mcore_cfg(tmp_path, ep=1, n_gpus_per_node=1, fully_reshardable=True))
+    assert plan.resume_from == path
+    assert plan.warnings == (
+        f"layout changed since {path}: expert_model_parallel_size 2 -> 1, data_parallel_size 2 -> 1, nodes × GPUs "
+        "1×2 -> 1×1; the optimizer was saved fully_reshardable: megatron-core reshards it",
+    )
+    # the saved format decides, not this run's: verl reads it from the checkpoint
+    plan = plan_resume(_mcore_cfg(tmp_path, ep=1, n_gpus_per_node=1, fully_reshardable=False))
+    assert plan.resume_from == path and "saved fully_reshardable: megatron-core reshards it" in plan.warnings[0]
+
+
+def test_a_tensor_parallel_change_is_refused_even_from_fully_reshardable(tmp_path):
+    """verl 0.9.1 keeps the RNG state as a ShardedObject of global shape (PP, TP): another TP cannot load it."""
+    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, tp=2, ep=2, fully_reshardable=True))
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(_mcore_cfg(tmp_path, tp=1, ep=2, fully_reshardable=True))
+    line = str(err.value)
+    assert line.startswith(
+        f"layout changed since {path}: tensor_model_parallel_size 2 -> 1, expert_tensor_parallel_size 2 -> 1, "
+        "data_parallel_size 1 -> 2; the optimizer was saved fully_reshardable, but verl 0.9.1 keeps the RNG state "
+        "by (PP, TP) and cannot load it at another TP or PP"
+    )
+    back = _overrides(line, "Resume on the saved layout (")
+    assert back == [f"{MEGATRON}.tensor_model_parallel_size=2", f"{MEGATRON}.expert_tensor_parallel_size=2"]
+
+
+def test_turning_the_distributed_optimizer_off_is_refused(tmp_path):
+    _save(tmp_path, 2, _mcore_cfg(tmp_path, fully_reshardable=True))
+    with pytest.raises(CheckpointError, match=r"use_distributed_optimizer True -> False; the optimizer's checkpoint "):
+        plan_resume(_mcore_cfg(tmp_path, distributed=False))
+
+
+def test_an_fsdp_checkpoint_resumes_on_its_own_world_size_only(tmp_path):
+    path = _save(tmp_path, 2, _cfg(tmp_path, n_gpus_per_node=4))
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(_cfg(tmp_path, n_gpus_per_node=8))
+    line = str(err.value)
+    assert line.startswith(
+        f"layout changed since {path}: data_parallel_size 4 -> 8, nodes × GPUs 1×4 -> 1×8; verl's FSDP checkpoint "
+        "holds one file per rank, named by its world size"
+    )
+    assert _overrides(line, "Resume on the saved layout (") == ["trainer.nnodes=1", "trainer.n_gpus_per_node=4"]
+    # FSDP saves no HF weights by default: the line names verl's merger
+    assert f"python -m verl.model_merger merge --backend fsdp --local_dir {path / 'actor'}" in line
+    # Ulysses alone: the FSDP mesh, hence every shard, is as saved
+    ulysses = OmegaConf.merge(
+        _cfg(tmp_path, n_gpus_per_node=4), {"actor_rollout_ref": {"actor": {"ulysses_sequence_parallel_size": 2}}}
+    )
+    plan = plan_resume(ulysses)
+    assert plan.resume_from == path
+    assert plan.warnings == (
+        f"layout changed since {path}: ulysses_sequence_parallel_size 1 -> 2, data_parallel_size 4 -> 2; verl's "
+        "FSDP shards follow the FSDP mesh, which stays as saved",
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"lr": 1e-4}, "actor_rollout_ref.actor.optim.lr: 0.001 -> 0.0001"),
+        ({"train_batch_size": 4}, "data.train_batch_size: 8 -> 4"),
+    ],
+)
+def test_a_change_outside_the_layout_is_still_another_run(tmp_path, change, key):
+    """With the layout changed too: the differing keys name the run's change, not the layout's."""
+    _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=2, fully_reshardable=True))
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(_mcore_cfg(tmp_path, ep=1, n_gpus_per_node=1, fully_reshardable=True, **change))
+    line = str(err.value)
+    assert "belongs to another run" in line and f"differing keys (checkpoint -> this run): {key}." in line
+
+
+def _save_unmarked_layout(folder, step, cfg):
+    """A checkpoint whose marker was written before markers recorded the layout: its fingerprint hashed the whole
+    configuration but the per-attempt keys, the layout with it."""
+    path = _save(folder, step, cfg)
+    info = json.loads((path / checkpoint.MARKER).read_text())
+    del info["layout"]
+    info["fingerprint"] = checkpoint.config_hash(cfg, checkpoint.PER_ATTEMPT_KEYS)[:16]
+    write_marker_info(path, info)
+    return path
+
+
+def test_a_marker_without_a_layout_keeps_the_layout_in_its_fingerprint(tmp_path):
+    path = _save_unmarked_layout(tmp_path, 2, _mcore_cfg(tmp_path, ep=2, fully_reshardable=True))
+    plan = plan_resume(_mcore_cfg(tmp_path, ep=2, fully_reshardable=True, total_training_steps=20))
+    assert plan.resume_from == path and plan.warnings == ()
+    with pytest.raises(CheckpointError) as err:  # a change megatron-core could reshard: another run, as before
+        plan_resume(_mcore_cfg(tmp_path, ep=1, fully_reshardable=True))
+    line = str(err.value)
+    assert "belongs to another run" in line
+    assert f"{MEGATRON}.expert_model_parallel_size: 2 -> 1" in line
+
+
+def test_resume_path_checks_the_layout_of_the_checkpoint_it_names(tmp_path):
+    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=2))
+    named = {"resume_mode": "resume_path", "resume_from_path": str(path)}
+    with pytest.raises(CheckpointError, match=r"expert_model_parallel_size 2 -> 1, .* saved dp_reshardable, which"):
+        plan_resume(_mcore_cfg(tmp_path, ep=1, n_gpus_per_node=1, **named))
+    plan = plan_resume(_mcore_cfg(tmp_path, ep=2, nnodes=2, **named))
+    assert plan.resume_from is None  # verl resumes from the path it names
+    assert plan.warnings == (
+        f"layout changed since {path}: data_parallel_size 2 -> 4, nodes × GPUs 1×2 -> 2×2; the optimizer was saved "
+        "dp_reshardable: megatron-core reshards it in data parallel",
+    )
+
+
+def test_a_shipped_preset_resumes_on_more_nodes():
+    """qwen3_30b_a3b_h100_2x8 and _4x8 differ in trainer.nnodes only: data parallel, from verl's dp_reshardable."""
+    from respo_verl.tools.plan.presets import compose_preset
+
+    two, four = (compose_preset(f"qwen3_30b_a3b_h100_{n}x8") for n in (2, 4))
+    saved, current = checkpoint.identity(two), checkpoint.identity(four)
+    assert saved["fingerprint"] == current["fingerprint"]
+    verdict = checkpoint.layout_verdict(saved["layout"], current["layout"])
+    assert verdict.resumes and verdict.changes == ("data_parallel_size 8 -> 16", "nodes × GPUs 2×8 -> 4×8")
+    assert saved["layout"]["optimizer_format"] == "dp_reshardable"
+    assert saved["layout"]["expert_model_parallel_size"] == current["layout"]["expert_model_parallel_size"] == 8
 
 
 # --- guards --------------------------------------------------------------------------------------------------------
