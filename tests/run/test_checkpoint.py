@@ -407,6 +407,14 @@ def test_a_tensor_parallel_change_is_refused_even_from_fully_reshardable(tmp_pat
     assert back == [f"{MEGATRON}.tensor_model_parallel_size=2", f"{MEGATRON}.expert_tensor_parallel_size=2"]
 
 
+def test_a_damaged_checkpoint_on_another_layout_names_the_damage_first(tmp_path):
+    """Its way out (an intact checkpoint before it) comes before the layout's: the saved layout would not help."""
+    _save(tmp_path, 1, _mcore_cfg(tmp_path, ep=2))
+    (_save(tmp_path, 2, _mcore_cfg(tmp_path, ep=2)) / "data.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"^DAMAGED CHECKPOINT .*global_step_2: .*data.pt is missing; to resume "):
+        plan_resume(_mcore_cfg(tmp_path, ep=1, n_gpus_per_node=1))
+
+
 def test_turning_the_distributed_optimizer_off_is_refused(tmp_path):
     _save(tmp_path, 2, _mcore_cfg(tmp_path, fully_reshardable=True))
     with pytest.raises(CheckpointError, match=r"use_distributed_optimizer True -> False; the optimizer's checkpoint "):
