@@ -5,6 +5,7 @@
 #   scripts/launch/ray_cluster.sh worker 10.0.0.1
 #   NODE_IP=127.0.0.2 scripts/launch/ray_cluster.sh worker 127.0.0.1 --node-manager-port=6380  # a 2nd node, 1 host
 #   scripts/launch/ray_cluster.sh token               # makes the cluster's token if there is none; prints its file
+#   scripts/launch/ray_cluster.sh wait 10.0.0.1 2     # until 2 nodes are alive (RAY_WAIT s); prints their addresses
 #   scripts/launch/ray_cluster.sh stop
 # Ray's token auth is always on (RAY_AUTH_MODE=token; docs/cluster.md, "Security"): every node, job and client needs
 # the same token, read from RAY_AUTH_TOKEN, else from the file RAY_AUTH_TOKEN_PATH (default ~/.ray/auth_token, which a
@@ -12,9 +13,12 @@
 # `worker` refuses to start without it. The dashboard (Ray's Jobs API, which runs any command it is sent) listens on
 # DASHBOARD_HOST: 127.0.0.1 by default (reach it through an SSH tunnel), or the head's cluster address if you set it.
 # Knobs: RAY_PORT (6379), NUM_GPUS (8), NUM_CPUS (Ray's count of this node's CPUs), NODE_IP (the address Ray picks),
-# DASHBOARD_HOST (127.0.0.1), DASHBOARD_PORT (8265), RAY_TMPDIR (/tmp/ray), RAY_AUTH_TOKEN_PATH (~/.ray/auth_token),
+# NODE_PORTS (empty: Ray's; a number p: this node's own ports p to p+5, for the node manager, object manager, dashboard
+# agent (listen, gRPC), runtime-env agent and metrics export, as a second node on one host needs), DASHBOARD_HOST
+# (127.0.0.1), DASHBOARD_PORT (8265), RAY_TMPDIR (/tmp/ray), RAY_AUTH_TOKEN_PATH (~/.ray/auth_token), RAY_WAIT (300),
 # DRY_RUN=1 prints only (and makes no token). Further arguments of `head` and `worker` go to `ray start` unchanged
-# (its own ports for a second node on one host: docs/cluster.md, "Two nodes on one host").
+# (`--block` keeps `head` in the foreground, as `worker` always is; other ports: docs/cluster.md, "Two nodes on one
+# host").
 # verl asks 3 logical CPUs per GPU slot (one placement bundle each): `head` and `worker` refuse a node with fewer,
 # where verl's placement would wait for ever. Ray's CPUs are logical: NUM_CPUS may exceed the cores.
 set -euo pipefail
@@ -22,6 +26,8 @@ RAY_PORT=${RAY_PORT:-6379}
 NUM_GPUS=${NUM_GPUS:-8}
 NUM_CPUS=${NUM_CPUS:-}
 NODE_IP=${NODE_IP:-}
+NODE_PORTS=${NODE_PORTS:-}
+RAY_WAIT=${RAY_WAIT:-300}
 CPUS_PER_GPU=3  # verl's bundle: {"CPU": 3, "GPU": 1} per GPU slot (max_colocate_count)
 DASHBOARD_HOST=${DASHBOARD_HOST:-127.0.0.1}
 DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
@@ -73,6 +79,41 @@ node_options() {
   NODE_OPTIONS=(--num-gpus="$NUM_GPUS")
   if [[ -n "$NUM_CPUS" ]]; then NODE_OPTIONS+=(--num-cpus="$NUM_CPUS"); fi
   if [[ -n "$NODE_IP" ]]; then NODE_OPTIONS+=(--node-ip-address="$NODE_IP"); fi
+  if [[ -n "$NODE_PORTS" ]]; then
+    [[ "$NODE_PORTS" =~ ^[0-9]+$ ]] || die "NODE_PORTS must be a port number (got '$NODE_PORTS')"
+    NODE_OPTIONS+=(--node-manager-port="$NODE_PORTS" --object-manager-port="$((NODE_PORTS + 1))"
+      --dashboard-agent-listen-port="$((NODE_PORTS + 2))" --dashboard-agent-grpc-port="$((NODE_PORTS + 3))"
+      --runtime-env-agent-port="$((NODE_PORTS + 4))" --metrics-export-port="$((NODE_PORTS + 5))")
+  fi
+}
+
+# Wait until the head at $1 listens, then until $2 nodes are alive; print their addresses on one line.
+wait_nodes() {
+  local head=$1 count=$2 deadline=$((SECONDS + RAY_WAIT))
+  [[ "$count" =~ ^[1-9][0-9]*$ ]] || die "wait: the node count must be a positive number (got '$count')"
+  # A driver that connects before the head listens waits for minutes: first wait for the port.
+  until (exec 3<>"/dev/tcp/$head/$RAY_PORT") 2>/dev/null; do
+    (( SECONDS < deadline )) || die "wait: nothing listens at $head:$RAY_PORT after $RAY_WAIT s"
+    sleep 1
+  done
+  python3 - "$head:$RAY_PORT" "$count" "$((deadline - SECONDS))" <<'EOF'
+import sys
+import time
+
+import ray
+
+address, count, bound = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deadline = time.monotonic() + bound
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+while True:
+    alive = sorted(node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"])
+    if len(alive) >= count:
+        print(" ".join(alive))
+        sys.exit(0)
+    if time.monotonic() > deadline:
+        sys.exit(f"ray_cluster.sh: wait: {len(alive)} of {count} Ray nodes alive at {address} after {bound:.0f} s")
+    time.sleep(1)
+EOF
 }
 
 case "${1:-}" in
@@ -95,6 +136,14 @@ case "${1:-}" in
     run python3 -c "import respo_verl.verl.plugin"
     run ray start --address="$HEAD_IP:$RAY_PORT" "${NODE_OPTIONS[@]}" --block "${@:3}"
     ;;
+  wait)
+    check_token
+    wait_nodes "${2:?usage: $0 wait HEAD_IP NODE_COUNT}" "${3:?usage: $0 wait HEAD_IP NODE_COUNT}"
+    ;;
   stop) run ray stop ;;
-  *) echo "usage: $0 head [ray start options] | worker HEAD_IP [ray start options] | token | stop" >&2; exit 2 ;;
+  *)
+    echo "usage: $0 head [ray start options] | worker HEAD_IP [ray start options] | wait HEAD_IP NODE_COUNT |" \
+      "token | stop" >&2
+    exit 2
+    ;;
 esac

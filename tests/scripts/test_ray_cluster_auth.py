@@ -136,3 +136,14 @@ def test_a_node_with_fewer_than_3_cpus_per_gpu_slot_is_refused_in_one_line(tmp_p
     assert res.returncode == 0 and "--num-cpus=6" in _ray_start(calls), res.stderr
     res, calls = _run(tmp_path, *role, NUM_GPUS="2", NUM_CPUS="six")
     assert res.returncode == 2 and res.stderr.strip() == "ray_cluster.sh: NUM_CPUS must be a whole number (got 'six')"
+
+
+def test_node_ports_give_a_node_its_own_six_ports(tmp_path):
+    res, calls = _run(tmp_path, "head", NODE_PORTS="30010")
+    assert res.returncode == 0, res.stderr
+    line = _ray_start(calls)
+    ports = ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent")
+    for offset, name in enumerate((*ports, "metrics-export")):
+        assert f" --{name}-port={30010 + offset} " in line, line
+    bad, calls = _run(tmp_path, "head", NODE_PORTS="3001x")
+    assert bad.returncode == 2 and "NODE_PORTS must be a port number (got '3001x')" in bad.stderr
