@@ -31,6 +31,7 @@ from respo_verl.tools.sweep.runner import (
     shell_line,
     stale_files,
 )
+from respo_verl.tools.sweep.slurm import run_on_slurm
 
 USAGE_ERROR = 2
 INTERRUPTED = 130  # the shell's status of a command ended by Ctrl-C
@@ -75,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
         help="print one shell line per run (for a scheduler) and write the manifest; run nothing",
     )
     mode.add_argument("--ray", metavar="ADDRESS", help="submit the runs as Ray jobs to this dashboard address")
+    mode.add_argument("--slurm", action="store_true", help="submit the incomplete runs as one Slurm job array, "
+                      "each task one run through scripts/launch/slurm/respo_verl.sbatch, and wait for it")  # fmt: skip
+    p.add_argument("--max-running", type=int, default=None, metavar="K",
+                   help="with --slurm: at most K runs at once (the array's %%K)")  # fmt: skip
+    p.add_argument("--sbatch", default="", metavar="OPTIONS",
+                   help='with --slurm: further sbatch options, one string ("--nodes=2 --time=24:00:00")')  # fmt: skip
     p.add_argument("--no-wait", action="store_true", help="with --ray: submit and return, without waiting")
     p.add_argument("--force", action="store_true", help="reuse an --out that holds another grid or other shared "
                    "settings: the files of the runs that differ move to OUT/replaced-<time>/")  # fmt: skip
@@ -140,6 +147,10 @@ def main(argv: list[str]) -> int:
         return _error(str(exc))
     except OSError as exc:
         return _error(f"--out {args.out}: cannot move the files of the runs that differ ({exc})")
+    if (args.max_running is not None or args.sbatch) and not args.slurm:
+        return _error("--max-running and --sbatch go with --slurm")
+    if args.max_running is not None and args.max_running < 1:
+        return _error(f"--max-running must be at least 1 (got {args.max_running})")
     if args.no_wait and not args.ray:
         return _error("--no-wait goes with --ray (a sweep run here runs its runs one after another)")
     client = None
@@ -170,6 +181,16 @@ def main(argv: list[str]) -> int:
         print(f"manifest: {manifest}")
         if not args.no_wait:
             print(summary(outcomes, len(records)), flush=True)
+        return 1 if any(o.status is Status.FAILED for o in outcomes) else 0
+    if args.slurm:
+        try:
+            outcomes = run_on_slurm(records, args.out, args.max_running, args.sbatch)
+        except ClusterError as exc:
+            return _error(str(exc))
+        except KeyboardInterrupt:
+            return INTERRUPTED
+        print(f"manifest: {manifest}")
+        print(summary(outcomes, len(records)), flush=True)
         return 1 if any(o.status is Status.FAILED for o in outcomes) else 0
     try:
         outcomes = run_locally(records, args.out)
