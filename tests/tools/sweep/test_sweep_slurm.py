@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,7 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def _sweep(slurm, out: Path, seeds: str = "0,1,2", *overrides: str) -> subprocess.CompletedProcess:
+def _sweep(slurm, out: Path, seeds: str = "0,1,2", *overrides: str, **popen) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, STANDIN_SWEEP, "--out", str(out), "--model", "cpu", "--algos", "respo", "--reuse", "2",
         "--seeds", seeds, "--mini-batch", "2", "--optimizer-steps", str(2 * STEPS), "--no-compose",
@@ -49,6 +51,8 @@ def _sweep(slurm, out: Path, seeds: str = "0,1,2", *overrides: str) -> subproces
         PRESET="qwen3_1p7b_h100_1x8",  # the template's plan: a one-node preset for one-node tasks
         DRY_RUN="1",
     )
+    if popen:
+        return subprocess.Popen(cmd, text=True, env=env, cwd=ROOT, **popen)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
 
@@ -89,3 +93,24 @@ def test_a_failed_run_is_reported_with_its_last_lines_and_exit_status(slurm, tmp
     assert report.splitlines()[0].endswith(f"FAILED, exit status 3, 0 of {STEPS} steps logged"), report
     assert f"  | standin: {name} fails in step 1 (+standin.fail)" in report, report
     assert f"  full output: {out / 'logs' / f'{name}.out'}" in report, report
+
+
+def test_ctrl_c_leaves_the_array_running_and_the_same_command_waits_for_it_again(slurm, tmp_path):
+    out, log = tmp_path / "sweep", tmp_path / "sweep.log"
+    with log.open("w") as fh:
+        sweep = _sweep(slurm, out, "0,1", "+standin.step_s=1", stdout=fh, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while "submitted 2 runs as Slurm job array" not in log.read_text():
+            assert sweep.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        sweep.send_signal(signal.SIGINT)
+        assert sweep.wait(timeout=60) == 130, log.read_text()
+    text = log.read_text()
+    job_id = text.split("submitted 2 runs as Slurm job array ", 1)[1].split()[0]
+    assert f"stopped waiting; Slurm job array {job_id} goes on" in text and f"scancel {job_id}" in text, text
+    assert slurm.run(["squeue", "-h", "-j", job_id]).stdout.strip(), "the array was cancelled"
+
+    again = _sweep(slurm, out, "0,1", "+standin.step_s=1")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"Slurm job array {job_id} of this folder still runs: waiting for it" in again.stdout
+    assert "submitted" not in again.stdout and again.stdout.strip().splitlines()[-1] == "2 done"
