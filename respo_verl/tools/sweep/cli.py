@@ -17,7 +17,7 @@ from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_R
 from respo_verl.routing.mode import REPLAY_MODES
 from respo_verl.tools.runs.manifest import write_manifest
 from respo_verl.tools.runs.options import reuse_list, seed_list, split_overrides
-from respo_verl.tools.sweep.grid import SweepSpec, expand
+from respo_verl.tools.sweep.grid import REPORT_LOGGER, VERL_LOGGERS, SweepSpec, expand
 from respo_verl.tools.sweep.local import SweepBusy, folder_lock, run_locally, summary
 from respo_verl.tools.sweep.rayjobs import run_on_ray
 from respo_verl.tools.sweep.runner import (
@@ -44,6 +44,11 @@ def _algorithm_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _logger_list(text: str) -> tuple[str, ...]:
+    """The names of ``--logger`` (checked by SweepSpec, with a trainer.logger override's)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="respo-verl sweep",
@@ -67,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--project", default="respo_verl_sweep", help="trainer.project_name")
     p.add_argument("--checkpoints", type=Path, default=None, metavar="DIR",
                    help="root of the runs' checkpoint folders, DIR/<run name> (default: OUT/checkpoints)")  # fmt: skip
+    p.add_argument("--logger", type=_logger_list, default=None, metavar="NAMES",
+                   help=f"verl's trackers of every run, comma-separated ({', '.join(VERL_LOGGERS)}); "
+                   f"'{REPORT_LOGGER}' is added, the report reads it (default: a trainer.logger= override after --, "
+                   "else console); not together with such an override")  # fmt: skip
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--print",
@@ -122,6 +131,7 @@ def main(argv: list[str]) -> int:
             out_dir=args.out,
             project=args.project,
             checkpoints=args.checkpoints,
+            loggers=args.logger,
         )
         records = expand(spec, compose=not args.no_compose)
     except ValueError as exc:  # bad settings (SweepSpec), or a run that does not compose or pass check_job

@@ -37,6 +37,20 @@ ENGINE_SEED_KEYS = {
 # in it, so no two runs may share one (verl's default, checkpoints/<project>/<experiment>, is relative to the
 # directory a run is started in).
 CHECKPOINT_KEY = "trainer.default_local_dir"
+# The key of a run's trackers, verl's ``Tracking`` backends (see run_loggers).
+LOGGER_KEY = "trainer.logger"
+# verl 0.9.1's tracking backends (verl.utils.tracking.Tracking.supported_backend; a test checks the installed verl's).
+VERL_LOGGERS = (
+    "console", "file", "wandb", "tensorboard", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "rl_insight",
+)  # fmt: skip
+# The logger ``respo-verl report`` reads (verl's file log, at the run's VERL_FILE_LOGGER_PATH): added to every run's.
+REPORT_LOGGER = "file"
+# verl's own default logger, a run's when neither --logger nor a trainer.logger override names any.
+DEFAULT_LOGGERS = ("console",)
+# The value of LOGGER_KEY that the configuration hash sees, whatever a run's trackers: a tracker is not part of a
+# run's identity, so the same sweep with other trackers keeps its hash (and a manifest whose runs had exactly these
+# loggers keeps the hash it recorded).
+HASHED_LOGGERS = ["console", "file"]
 # Dropped, with the run name, from the configuration hash.
 PER_RUN_KEYS = (*SEED_KEYS, *ENGINE_SEED_KEYS.values(), "trainer.experiment_name", CHECKPOINT_KEY)
 # The keys N sets (see run_overrides).
@@ -51,7 +65,6 @@ SWEPT_KEYS = {
     "trainer.total_training_steps": "--optimizer-steps / N",
     "trainer.project_name": "--project",
     "trainer.experiment_name": "the run's name",
-    "trainer.logger": "[console,file]: the report reads verl's file log",
     **{key: "--seeds" for key in (*SEED_KEYS, *ENGINE_SEED_KEYS.values())},
 }
 
@@ -77,6 +90,8 @@ class SweepSpec:
         project: ``trainer.project_name``.
         checkpoints: the root of the runs' checkpoint folders (``<checkpoints>/<run name>``); default
             ``<out_dir>/checkpoints``.
+        loggers: verl's trackers of every run (``--logger``), or None: then those of a ``trainer.logger=`` override
+            among ``base_overrides``, else verl's default; ``file`` is added either way (:func:`run_loggers`).
     """
 
     algorithms: tuple[str, ...] = ALGORITHMS
@@ -92,6 +107,7 @@ class SweepSpec:
     out_dir: Path = Path("runs")
     project: str = "respo_verl_sweep"
     checkpoints: Path | None = None
+    loggers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         check_name(self.model, "--model")
@@ -111,6 +127,7 @@ class SweepSpec:
                     f"{override}: {_key(override)} is set per run by the sweep ({swept[_key(override)]}); "
                     "drop it from the shared overrides"
                 )
+        run_loggers(self)  # refuses an unknown logger, or --logger together with a trainer.logger override
         unknown = sorted(set(self.algorithms) - set(ALGORITHMS))
         if unknown:
             raise ValueError(f"unknown algorithm(s) {unknown}; choose from {list(ALGORITHMS)}")
@@ -133,6 +150,59 @@ def run_name(spec: SweepSpec, algorithm: str, reuse: int, seed: int) -> str:
     return resolvers.run_name(spec.model, algorithm, reuse, seed, spec.routing)
 
 
+def _logger_overrides(spec: SweepSpec) -> list[str]:
+    return [o for o in spec.base_overrides if _key(o) == LOGGER_KEY]
+
+
+def _parse_loggers(override: str) -> tuple[str, ...]:
+    """The logger names of a ``trainer.logger=`` override (a list, or one name as verl also takes it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+    except HydraException as exc:
+        raise ValueError(f"{override}: not a Hydra override ({str(exc).splitlines()[0]})") from None
+    value = parsed.value()
+    if parsed.is_delete() or value is None:
+        raise ValueError(f"{override}: a run needs a logger ({REPORT_LOGGER} at least: the report reads it)")
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"{override}: {LOGGER_KEY} takes logger names, e.g. {LOGGER_KEY}=[console,wandb]")
+    return tuple(names)
+
+
+def run_loggers(spec: SweepSpec) -> tuple[str, ...]:
+    """Every run's ``trainer.logger``: the user's trackers with :data:`REPORT_LOGGER` added at the end if missing.
+
+    The user's are ``spec.loggers`` (``--logger``), else those of a ``trainer.logger=`` override among the shared
+    overrides, else :data:`DEFAULT_LOGGERS`; repeated names count once.
+
+    Raises:
+        ValueError: a name that is not one of :data:`VERL_LOGGERS`, ``--logger`` together with a ``trainer.logger=``
+            override (which would win is not obvious), more than one such override, or one without names.
+    """
+    overrides = _logger_overrides(spec)
+    if len(overrides) > 1:
+        raise ValueError(f"{' and '.join(overrides)}: give {LOGGER_KEY} once")
+    if overrides and spec.loggers is not None:
+        raise ValueError(
+            f"--logger {','.join(spec.loggers)} and {overrides[0]} both name the runs' loggers: give one of them"
+        )
+    if spec.loggers is not None:
+        given, source = tuple(spec.loggers), "--logger"
+    elif overrides:
+        given, source = _parse_loggers(overrides[0]), overrides[0]
+    else:
+        given, source = DEFAULT_LOGGERS, "default"
+    if not given:
+        raise ValueError(f"{source}: no logger named; choose from {', '.join(VERL_LOGGERS)}")
+    unknown = [name for name in given if name not in VERL_LOGGERS]
+    if unknown:
+        raise ValueError(f"{source}: unknown logger(s) {', '.join(unknown)}; verl's are {', '.join(VERL_LOGGERS)}")
+    return tuple(dict.fromkeys((*given, REPORT_LOGGER)))
+
+
 def checkpoint_dir(spec: SweepSpec, name: str) -> Path:
     """The run's own checkpoint folder (absolute: a run may be started from any directory)."""
     root = spec.checkpoints if spec.checkpoints is not None else spec.out_dir / "checkpoints"
@@ -153,7 +223,7 @@ def run_overrides(spec: SweepSpec, algorithm: str, reuse: int, seed: int, engine
         overrides.append(f"{plus}routing={spec.routing}")
     seed_keys = [*SEED_KEYS, *([] if engine is None else [engine_seed_key(engine)])]
     overrides += [
-        *spec.base_overrides,
+        *(o for o in spec.base_overrides if _key(o) != LOGGER_KEY),  # the run's own: see run_loggers
         f"data.train_batch_size={spec.mini_batch * reuse}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={spec.mini_batch}",
         "actor_rollout_ref.actor.ppo_epochs=1",
@@ -161,7 +231,7 @@ def run_overrides(spec: SweepSpec, algorithm: str, reuse: int, seed: int, engine
         f"trainer.project_name={spec.project}",
         f"trainer.experiment_name={run_name(spec, algorithm, reuse, seed)}",
         f"{CHECKPOINT_KEY}={checkpoint_dir(spec, run_name(spec, algorithm, reuse, seed))}",
-        "trainer.logger=[console,file]",
+        f"{LOGGER_KEY}=[{','.join(run_loggers(spec))}]",
         *(f"{key}={seed}" for key in seed_keys),
     ]
     return overrides
@@ -185,7 +255,12 @@ def engine_of_overrides(overrides: Sequence[str]) -> str | None:
 
 def config_hash(job) -> str:
     """A run's ``config_hash`` in the manifest: :func:`respo_verl.run.checkpoint.config_hash` of the job without the
-    per-run keys (seeds, run name, checkpoint folder), unresolved as manifests have always held it."""
+    per-run keys (seeds, run name, checkpoint folder) and with :data:`HASHED_LOGGERS` as its loggers, unresolved as
+    manifests have always held it."""
+    from omegaconf import OmegaConf
+
+    job = job.copy()
+    OmegaConf.update(job, LOGGER_KEY, list(HASHED_LOGGERS), merge=False)
     return checkpoint.config_hash(job, PER_RUN_KEYS, resolve=False)
 
 

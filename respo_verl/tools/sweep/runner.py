@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from respo_verl.tools.runs.logs import LogError, read_log
 from respo_verl.tools.runs.manifest import MANIFEST_NAME, RunRecord, check_name, read_manifest
+from respo_verl.tools.sweep.grid import LOGGER_KEY
 
 # How long the reachability probe of a Ray address waits for a TCP connection: a refused port answers at once, a
 # dead host is not worth Ray's own 40 s of GCS retries.
@@ -137,20 +138,28 @@ class SweepConflict(ValueError):
     """``--out`` holds the manifest of another sweep (one line naming what differs; exit status 2)."""
 
 
+def _identity(command: list[str]) -> list[str]:
+    """A run's command less its trackers (``trainer.logger=``): a tracker is not part of what a run computes, so the
+    same sweep with other loggers is the same sweep (the configuration hash leaves them out too,
+    :func:`respo_verl.tools.sweep.grid.config_hash`)."""
+    return [word for word in command if word.split("=", 1)[0].lstrip("+") != LOGGER_KEY]
+
+
 def _differs(old: RunRecord, new: RunRecord) -> bool:
-    return (old.config_hash, old.command, old.env) != (new.config_hash, new.command, new.env)
+    return (old.config_hash, _identity(old.command), old.env) != (new.config_hash, _identity(new.command), new.env)
 
 
 def _words(command: list[str], other: list[str]) -> str:
-    only = [word for word in command if word not in other]
+    only = [word for word in _identity(command) if word not in other]
     return " ".join(only) if only else "none"
 
 
 def check_same_sweep(records: list[RunRecord], out_dir: Path) -> None:
     """Refuse ``records`` when ``out_dir`` holds the manifest of another grid or of other shared settings.
 
-    Runs of the same name must have the same configuration hash, command line and environment; a run only in one of
-    the two is another grid. Raises :class:`SweepConflict` with one line naming the first difference.
+    Runs of the same name must have the same configuration hash, command line (its loggers aside: a sweep run again
+    with other trackers is accepted, and its manifest then records them) and environment; a run only in one of the
+    two is another grid. Raises :class:`SweepConflict` with one line naming the first difference.
     """
     path = out_dir / MANIFEST_NAME
     if not path.is_file():

@@ -235,7 +235,6 @@ def test_checkpoint_folders_are_per_run_and_set_by_the_sweep_only(tmp_path, caps
         ("data.train_batch_size=8", "--mini-batch x N"),
         ("trainer.total_training_steps=5", "--optimizer-steps / N"),
         ("actor_rollout_ref.actor.ppo_mini_batch_size=4", "--mini-batch"),
-        ("trainer.logger=[console,wandb]", "[console,file]: the report reads verl's file log"),
         ("+algorithm=vespo", "--algos"),
         ("actor_rollout_ref.actor.fsdp_config.seed=3", "--seeds"),
         ("routing=r2", "--routing"),
