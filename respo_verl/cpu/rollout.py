@@ -56,6 +56,7 @@ import ray
 import torch
 
 from respo_verl.cpu import ROLLOUT_NAME
+from respo_verl.patches import ray_private
 
 ROLLOUT_MODE = "async"
 ADAPTER_FQN = f"{__name__}.CPURolloutAdapter"
@@ -355,7 +356,7 @@ def _replica_class() -> type:
                 )
             node_id = None
             if self.workers:
-                node_id = await self.workers[0].__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+                node_id = await ray_private.call(self.workers[0], lambda _: ray.get_runtime_context().get_node_id())
             options = {"name": _server_name(self.replica_rank), "max_concurrency": self.max_concurrency, "num_cpus": 0}
             if node_id is not None:
                 options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(

@@ -6,7 +6,8 @@ native :class:`megatron.core.transformer.moe.router_replay.RouterReplay` (``moe_
 and verl 0.9.1's own ``RouterReplay`` (``verl.utils.megatron.router_replay_patch.apply_router_replay_patch``) use
 this call with the same arguments and the same actions (RECORD / REPLAY_FORWARD / REPLAY_BACKWARD). The monitor
 wraps that method on the ``router_replay`` object of each router of the model it is given (an instance attribute,
-never the class, never a process-global list), so it works with whichever implementation built the model.
+never the class, never a process-global list; one :class:`respo_verl.patches.Patch` per monitor, patches/README.md),
+so it works with whichever implementation built the model.
 
 On REPLAY_FORWARD the wrapper
 
@@ -42,9 +43,12 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import nn
 
+from respo_verl.patches import Patch
 from respo_verl.routing.diagnostics import RouteDriftStats, drift_metrics
 
 _WRAPPED_ATTR = "_respo_route_drift_monitor"
+# One Patch per monitor: the routers' replay objects of the one model it watches (an instance each, never the class).
+MONITOR_PATCH_NAME = "route-drift monitor on the routers' replay objects"
 _REPLAY_FORWARD, _REPLAY_BACKWARD = "REPLAY_FORWARD", "REPLAY_BACKWARD"
 
 
@@ -112,11 +116,17 @@ class RouteDriftMonitor:
         self._stats = RouteDriftStats(self.layers, {layer: chunk for layer, (_, chunk) in with_chunks.items()})
         self._pending: dict[int, tuple[int, ...]] = {}  # layer -> shape of replay data set and not consumed yet
         self._unconsumed: list[str] = []
+        self._patch = Patch(MONITOR_PATCH_NAME, "megatron-core", "0.16.1", self._install)
+        self._patch.apply()
+
+    def _install(self, patch: Patch) -> None:
         for layer, router in self.routers.items():
             replay = router.router_replay
-            replay.get_replay_topk = self._wrap(layer, router, replay.get_replay_topk)
-            replay.set_target_indices = self._wrap_set(layer, replay.set_target_indices)
-            setattr(replay, _WRAPPED_ATTR, self)
+            checked = self._wrap(layer, router, replay.get_replay_topk)
+            patch.replace(replay, "get_replay_topk", checked, "checks the replay data, counts the route drift")
+            tracked = self._wrap_set(layer, replay.set_target_indices)
+            patch.replace(replay, "set_target_indices", tracked, "replay data never consumed is an error")
+            patch.replace(replay, _WRAPPED_ATTR, self, "the monitor whose wrappers these are")
 
     @classmethod
     def attach(cls, model: nn.Module | Iterable[nn.Module]) -> RouteDriftMonitor:
@@ -135,12 +145,7 @@ class RouteDriftMonitor:
 
     def remove(self) -> None:
         """Unhook every router (idempotent): the ``router_replay`` objects get their class method back."""
-        for router in self.routers.values():
-            replay = router.router_replay
-            if getattr(replay, _WRAPPED_ATTR, None) is self:
-                del replay.get_replay_topk
-                del replay.set_target_indices
-                delattr(replay, _WRAPPED_ATTR)
+        self._patch.remove()
 
     def __enter__(self) -> RouteDriftMonitor:
         return self

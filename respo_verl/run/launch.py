@@ -74,12 +74,11 @@ def stop_local_ray_with_driver():
     """When this driver started its own Ray cluster (``ray.init`` without an address), start the reaper that stops
     that cluster's processes once the driver has ended, SIGKILL included (:mod:`respo_verl.run.reaper`). A cluster
     the job connected to through an address is left alone. Returns the reaper's process, or None."""
-    import ray._private.worker as ray_worker
-
+    from respo_verl.patches import ray_private
     from respo_verl.run.reaper import watch_driver
 
     global _REAPER
-    node = getattr(ray_worker, "_global_node", None)
+    node = ray_private.driver_node()
     if node is None or not getattr(node, "ray_init_cluster", False):
         return None
     _REAPER = watch_driver(node.get_session_dir_path())
@@ -225,6 +224,6 @@ def end_ray_echo() -> None:
     """From here on the driver's console gets none of what Ray echoes of its workers' logs and errors (its log folder
     keeps them): the logs of a dying job's actors, lagging behind, would follow the stop's line, tracebacks included.
     The switch is the one Ray's own debugger turns (``ray.util.rpdb``)."""
-    import ray._private.worker as ray_worker
+    from respo_verl.patches import ray_private
 
-    ray_worker._worker_logs_enabled = False
+    ray_private.stop_log_echo()

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from respo_verl.patches import Patch
+from respo_verl.patches import Patch, ray_private
 from respo_verl.run.stops import (
     AGENT_LOOP_WORKER,
     LOAD_BALANCER,
@@ -71,7 +71,7 @@ def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: s
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
     calls = [(kind, index, len(handles), h) for kind, handles in actors for index, h in enumerate(handles)]
-    refs = [h.__ray_ready__.remote() for *_, h in calls]
+    refs = [ray_private.ready(h) for *_, h in calls]
     for number in _answered(refs) if refs else ():
         kind, index, count, _ = calls[number]
         try:
@@ -85,7 +85,7 @@ def check_actors_alive(actors: list[tuple[str, list]], step: int, waiting_for: s
                 f"{reason}"
             ) from None
     servers = dict(actors).get(ROLLOUT_SERVER, [])
-    refs = [h.__ray_call__.remote(engine_dead) for h in servers]
+    refs = [ray_private.call(h, engine_dead) for h in servers]
     for index in _answered(refs) if refs else ():
         try:
             reason = ray.get(refs[index])
@@ -111,7 +111,7 @@ def await_created(actors: list[tuple[str, list]], when: str) -> None:
     for kind, handles in actors:
         for index, handle in enumerate(handles):
             try:
-                ray.get(handle.__ray_ready__.remote())
+                ray.get(ray_private.ready(handle))
             except ActorDiedError as exc:
                 text = str(exc)
                 cls, pid = re.search(r":(\w+)\.__init__\(", text), re.search(r"\bpid=(\d+)", text)
@@ -124,7 +124,8 @@ def await_created(actors: list[tuple[str, list]], when: str) -> None:
 
 
 def engine_dead(server: Any) -> str | None:
-    """Run in a rollout server's actor (Ray's ``__ray_call__``): why its inference engine is dead, or None.
+    """Run in a rollout server's actor (:func:`respo_verl.patches.ray_private.call`): why its inference engine is
+    dead, or None.
 
     verl's vLLM server keeps vLLM's ``AsyncLLM`` as ``engine``; when vLLM's engine core process dies, the server's
     actor lives on (Ray sees nothing), ``engine.errored`` turns true, and every request fails or waits. A server

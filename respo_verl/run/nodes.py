@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from respo_verl.patches import ray_private
 from respo_verl.run.checkpoint import checkpoint_folder
 from respo_verl.run.stops import ActorDied, RunStopped, actor_role, causes
 
@@ -78,10 +79,9 @@ def job_actors(job: str | None = None) -> list[dict]:
     """The rows of Ray's actor table (Ray keeps a dead actor's row, its node and its cause of death) of ``job``
     (default: this process's job)."""
     import ray
-    from ray._private import state
 
     job = job or ray.get_runtime_context().get_job_id()
-    return [a for a in state.actors().values() if a["JobID"] == job]
+    return [a for a in ray_private.actor_table().values() if a["JobID"] == job]
 
 
 def named(actors: list[dict], alive_only: bool = False) -> list[tuple[str, dict]]:

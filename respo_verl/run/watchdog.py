@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
-from ray.experimental import internal_kv
 
+from respo_verl.patches import ray_private
 from respo_verl.run.guards import GuardConfig
 from respo_verl.run.liveness import BETWEEN_PHASES
 from respo_verl.run.nodes import CLUSTER_CHECK_INTERVAL_S, ClusterWatch
@@ -51,14 +51,14 @@ class Records:
         self.prefix = f"{job_id or ray.get_runtime_context().get_job_id()}/"
 
     def put(self, name: str, value: dict[str, Any]) -> None:
-        internal_kv._internal_kv_put(self.prefix + name, json.dumps(value), overwrite=True, namespace=RECORD_NAMESPACE)
+        ray_private.kv_put(self.prefix + name, json.dumps(value), RECORD_NAMESPACE)
 
     def get(self, name: str) -> dict[str, Any] | None:
-        raw = internal_kv._internal_kv_get(self.prefix + name, namespace=RECORD_NAMESPACE)
+        raw = ray_private.kv_get(self.prefix + name, RECORD_NAMESPACE)
         return None if raw is None else json.loads(raw)
 
     def delete(self, name: str) -> None:
-        internal_kv._internal_kv_del(self.prefix + name, namespace=RECORD_NAMESPACE)
+        ray_private.kv_del(self.prefix + name, RECORD_NAMESPACE)
 
 
 def folder_bytes(folder: str | None) -> int:
