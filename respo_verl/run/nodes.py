@@ -21,7 +21,6 @@ from respo_verl.run.checkpoint import checkpoint_folder
 from respo_verl.run.stops import ActorDied, RunStopped, actor_role, causes
 
 MARKER = ".respo-verl-nodes"  # the driver's marker in the checkpoint root, read on every node
-RAY_ACTOR_ERRORS = ("ActorDiedError", "ActorUnavailableError", "NodeDiedError")
 _RANK = re.compile(r"_(\d+):(\d+)$")  # verl's worker actors: <prefix><class>_<placement group>:<bundle>
 _SERVER = re.compile(r"server_(\d+)_(\d+)")  # verl's rollout servers: <prefix>server_<replica>_<node rank>
 # How often the driver looks at its run's nodes and, in the set-up, its actors (:class:`ClusterWatch`): with
@@ -158,14 +157,16 @@ def _nodes_with_roles(roles: list[tuple[str, str]], nodes: dict[str, dict]) -> d
 def lost_node_stop(
     exc: BaseException, step: int | Callable[[], int | None] | None, job: str | None = None
 ) -> NodeLost | None:
-    """The stop for a run that ended with a Ray actor error (or an :class:`ActorDied`) because a node that held
-    roles of ``job`` went away: the node (address, Ray node id), its roles and ``step`` (a callable is asked only once
-    a node is found lost; default: the step the trainer's :class:`ActorDied` names). None for any other error, when
-    Ray is not connected, or when every node of the job is there."""
+    """The stop for a run that ended with an error while a node that held roles of ``job`` is lost: the node
+    (address, Ray node id), its roles and ``step`` (a callable is asked only once a node is found lost; default: the
+    step the trainer's :class:`ActorDied` names). Any error counts but a stop of the run's own that names another cause
+    (a guard, non-finite data): a dead actor, and as much a collective whose peer went away (gloo's "Connection reset
+    by peer" in the surviving rank's update), which is no actor error. None when Ray is not connected, or when every
+    node of the job is there."""
     import ray
 
     chain = causes(exc)
-    if not any(c.__name__ in RAY_ACTOR_ERRORS or c is ActorDied for e in chain for c in type(e).__mro__):
+    if any(isinstance(e, RunStopped) and not isinstance(e, ActorDied) for e in chain):
         return None
     told = [re.match(r"step (\d+): ", str(e)) for e in chain if isinstance(e, ActorDied)]
     told_step = next((int(found[1]) for found in told if found), None)  # the trainer's own stop names its step

@@ -19,7 +19,7 @@ from ray.exceptions import ActorDiedError
 
 from respo_verl.run import nodes as module
 from respo_verl.run.nodes import UNREACHABLE_CHECKS, ClusterWatch, NodeLost, failure, lost_node_stop
-from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_PHASE_STALLED, ActorDied, PhaseStalled, stop_of
+from respo_verl.run.stops import EXIT_ACTOR_DIED, EXIT_PHASE_STALLED, ActorDied, PhaseStalled, RunStopped, stop_of
 from respo_verl.run.watchdog import PhaseBoard, Watchdog, setup_phase
 
 HEAD, WORKER = "a" * 56, "b" * 56  # Ray node ids
@@ -240,5 +240,9 @@ def test_a_surviving_trainers_actor_error_names_the_lost_node_and_the_step_the_t
         "worker rank 1; "
     )
     assert lost_node_stop(ActorDiedError(), lambda: 5).args[0].startswith("step 5: ")
+    # the surviving rank's collective fails when its peer goes away: no actor error, the same lost node
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:48853: Connection reset by peer")
+    assert str(lost_node_stop(reset, lambda: 3)).startswith(f"step 3: node 127.0.0.1 (Ray node {WORKER[:12]}) was lost")
+    assert lost_node_stop(RunStopped("step 3: a guard"), lambda: 3) is None  # a stop of its own names its cause
     monkeypatch.setattr(ray, "nodes", lambda: [_node(HEAD, up), _node(WORKER, up)])
     assert lost_node_stop(told, None) is None  # every node is there: the trainer's own line stands
