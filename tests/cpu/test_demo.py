@@ -4,8 +4,8 @@ the figure of both kernels' φ on their stale sequences.
 
 The demo's two runs are the runs of one ``respo-verl sweep``, and its end-to-end test is the suite's one real sweep of
 verl runs (tests/tools/sweep/test_sweep_cpu.py tests the sweep's mechanics on a stand-in run program): it checks what
-the sweep does with verl's trainer (the runs' output in their files, their logs, the manifest's commands and hashes,
-the report over the folder) besides what the demo shows."""
+the sweep does with verl's trainer (the runs' output in their files, their logs, the user's trackers beside the file
+log the report reads, the manifest's commands and hashes, the report over the folder) besides what the demo shows."""
 
 from __future__ import annotations
 
@@ -167,6 +167,33 @@ def test_a_rerun_starts_afresh_only_the_runs_the_sweep_will_run(tmp_path):
     assert [r.name for r in demo._started_afresh(longer, out, force=True)] == [r.name for r in longer]
 
 
+# The demo's trackers in its end-to-end test: the user's override through the demo (passed to its sweep), with
+# TensorBoard, whose event files the test reads back.
+TRACKED_LOGGERS = ("console", "file", "tensorboard")
+# Where verl's TensorBoard logger writes when set; unset, it writes to tensorboard_log/<project>/<experiment> under
+# the run's directory (verl.utils.tracking).
+TENSORBOARD_DIR_ENV = "TENSORBOARD_DIR"
+# A scalar verl logs at every step, in the file log and to every other tracker.
+STEP_SCALAR = "critic/score/mean"
+
+
+def _assert_tensorboard_matches_the_file_log(folder, entries: list[dict]) -> None:
+    """The run's TensorBoard events are readable and hold what its file log holds: the same scalar tags, and
+    :data:`STEP_SCALAR` once per logged step with the file log's value (TensorBoard keeps float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs_dir = folder.parents[2]  # <runs' directory>/tensorboard_log/<project>/<run>
+    found = sorted(str(p.relative_to(runs_dir)) for p in runs_dir.rglob("events.out.tfevents.*"))
+    assert list(folder.glob("events.out.tfevents.*")), (folder, found)
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(entries[0]["data"]) <= tags, sorted(set(entries[0]["data"]) - tags)
+    scalars = events.Scalars(STEP_SCALAR)
+    assert [e.step for e in scalars] == [entry["step"] for entry in entries]
+    assert [e.value for e in scalars] == pytest.approx([entry["data"][STEP_SCALAR] for entry in entries], rel=1e-6)
+
+
 def _respo(log_w: float, positive: bool) -> float:
     """ReSPO's default kernel by hand: φ+(W) = ((1 + W)/2)·e^(1 − W), φ−(W) = √W·e^(2(1 − √W)) (docs/method.md)."""
     w = math.exp(log_w)
@@ -229,12 +256,13 @@ def test_make_demo_shows_starved_positives_weighted_under_respo_and_not_under_ve
     from respo_verl.core.kernels import respo_phi, vespo_phi
 
     env = cpu_runs.run_env(None)  # no file-logger variables: the sweep sets each run's log
+    env.pop(TENSORBOARD_DIR_ENV, None)  # verl's default folder, per run, under the runs' directory (tmp_path)
     out = tmp_path / "demo"
     ray_tmp = cpu_runs.ray_temp_dir()
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "respo_verl.cli", "demo", "--steps", "2", "--out", str(out),
-             f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"],
+             f"+ray_kwargs.ray_init._temp_dir={ray_tmp}", f"trainer.logger=[{','.join(TRACKED_LOGGERS)}]"],
             capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
         )  # fmt: skip
     finally:  # one verl driver per attempt the sweep started, counted with the suite's (tests/support/cpu_runs.py)
@@ -265,6 +293,10 @@ def test_make_demo_shows_starved_positives_weighted_under_respo_and_not_under_ve
         assert "=== respo-verl sweep" in (out / "logs" / f"{name}.out").read_text()
         record = manifest[name]
         assert record.command[:3] == ["python", "-m", "respo_verl.main_ppo"] and record.config_hash
+        assert f"trainer.logger=[{','.join(TRACKED_LOGGERS)}]" in record.command
+        _assert_tensorboard_matches_the_file_log(
+            tmp_path / "tensorboard_log" / demo.sweep_spec(out, demo.REGIME_REUSE, 2, []).project / name, entries
+        )
 
     minus_one = torch.tensor([-1.0], dtype=torch.float64)
     yes = torch.tensor([True])
