@@ -11,15 +11,19 @@ in a user namespace of its own too, which the kernel must allow: ``unshare --use
 On that cluster: the node preflight refuses a checkpoint root that only the head sees, naming the worker and the
 path (no verl driver: the preflight itself, as the driver runs it before the TaskRunner); then one Megatron R3 run
 with verl's vLLM server, one rank and one server per node, expert parallel 2 across the nodes (gloo between the two
-addresses), submitted by ``respo-verl sweep --ray`` into a fresh ``--out``. After its log holds step 3, the worker's
-raylet and its process tree are SIGKILLed: the run stops in one line naming the node, its roles and the step. The
-worker comes back and the same sweep, run again unchanged, resubmits the run: it resumes from its checkpoint of step
-2 and its step 3 equals the lost run's step 3 to the last bit (verl's full determinism), but for vLLM's own
-log-probs of the same tokens, which a fresh engine repeats to about 1e-9 only. Two verl drivers.
+addresses), submitted by ``respo-verl sweep --ray`` into a fresh ``--out``, its TaskRunner on the worker. After its
+log holds step 3, the worker's raylet and its process tree are SIGKILLed: the run stops in one line naming the node,
+its roles and the step. The worker comes back and the same run, its TaskRunner now on the head, resumes from its
+checkpoint of step 2; the worker is SIGKILLed again while the update of step 3 runs, and the driver's look at the
+cluster stops the run within a minute, the trainer waiting on the lost rank. The worker comes back once more and the
+same sweep, run again unchanged, resubmits the run: it resumes from step 2 and its step 3 equals the lost run's step
+3 to the last bit (verl's full determinism), but for vLLM's own log-probs of the same tokens, which a fresh engine
+repeats to about 1e-9 only. After each loss no process of the job is left on either node. Three verl drivers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -33,14 +37,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import cpu_runs, ray_auth
+from support import cpu_runs, procs, ray_auth
 from support.ranks import free_port
 from support.trainer_checks import RESPO_KEYS, assert_trains, assert_weights_synced
 
 from respo_verl.run.checkpoint import TRACKER
 from respo_verl.run.nodes import MARKER, SharedFolders, unseen
 from respo_verl.run.reaper import reap
-from respo_verl.run.stops import EXIT_ACTOR_DIED
+from respo_verl.run.stops import ACTOR_ROLES, EXIT_ACTOR_DIED
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/launch/ray_cluster.sh"
@@ -56,6 +60,7 @@ NODE_PORTS = (
 )
 START_S = 180  # a node's start on a busy 2-core machine
 TRAINER_RESOURCE = "trainer_node"  # a custom resource of the worker only: the job's TaskRunner runs there
+HEAD_RESOURCE = "head_node"  # a custom resource of the head only: the resubmitted job's TaskRunner runs there
 
 
 def _ports(*names: str) -> list[str]:
@@ -105,6 +110,7 @@ class TwoNodes:
         self.token.write_text(ray_auth.env()[ray_auth.TOKEN] + "\n")
         self.token.chmod(0o600)
         command = ["bash", str(SCRIPT), "head", "--include-dashboard=true", "--disable-usage-stats"]
+        command += [f"--resources={json.dumps({HEAD_RESOURCE: 1})}"]
         command += _ports("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port")
         command += _ports("metrics-export-port", "ray-client-server-port")
         done = subprocess.run(
@@ -155,10 +161,16 @@ class TwoNodes:
             assert time.monotonic() < deadline, f"{count} nodes not alive after {START_S} s"
             time.sleep(2)
 
-    def kill_worker(self) -> None:
-        """SIGKILL the worker node: its raylet and every process below it, at once."""
+    def kill_worker(self) -> list[str]:
+        """SIGKILL the worker node, its raylet and every process below it, at once; each of them is gone after it.
+        Returns them as ``pid command line``."""
         top = psutil.Process(self.worker.pid)
-        tree = [top, *top.children(recursive=True)]
+        tree, killed = [top, *top.children(recursive=True)], []
+        for proc in tree:  # first every command line: a raylet ends with the `ray start` above it
+            try:
+                killed.append((proc.pid, proc.cmdline()))
+            except psutil.Error:
+                killed.append((proc.pid, []))
         for proc in tree:
             try:
                 proc.send_signal(signal.SIGKILL)
@@ -166,6 +178,10 @@ class TwoNodes:
                 pass
         self.worker.wait(timeout=60)
         self.worker = None
+        assert any(argv and argv[0].endswith("/raylet") for _, argv in killed), killed
+        left = procs.wait_gone(tree, 60)
+        assert not left, [p.pid for p in left]
+        return [f"{pid} {' '.join(argv)}" for pid, argv in killed]
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -223,8 +239,9 @@ TWO_NODE_JOB = (
     # The TaskRunner on the worker, the driver (a Ray job's) on the head: the watchdog and the stop request cross.
     f"+ray_kwargs.task_runner_resources={{{TRAINER_RESOURCE}:1}}",
 )
-# Every role of the job is an actor process: none may be left on the surviving node once the job has ended.
-JOB_PROCESSES = ("ray::WorkerDict", "ray::TaskRunner", "ray::vLLMHttpServer", "VLLM::EngineCore", "ray::AgentLoop")
+# Every role of a job is an actor process, titled ``ray::<class>`` by Ray (the classes of the one table of roles), and
+# vLLM's engine core a process of its server: none may be left on either node once the job has ended.
+ROLE_TITLES = re.compile(rf"(ray::\w*({'|'.join(end for end, _ in ACTOR_ROLES)})\b|VLLM::EngineCore)")
 _UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/")
 # The route-drift engine's keys of both passes (docs/routing-replay.md).
 DRIFT = ("flip_frac", "overlap", "prob_mass_delta", "any_layer_flip_frac", "replayed_tokens")
@@ -257,22 +274,20 @@ def _ray_python(cluster: TwoNodes, code: str) -> str:
 
 
 def _job_processes(cluster: TwoNodes) -> list[str]:
-    """The job's processes left on the head: below a process of its session (its temp dir in their command lines)."""
-    found = {}
-    for root in psutil.process_iter(["cmdline"]):
-        if cluster.temp in " ".join(root.info["cmdline"] or ()):
-            try:
-                below = root.children(recursive=True)
-            except psutil.Error:
-                continue
-            for proc in below:
-                try:
-                    line = " ".join(proc.cmdline())
-                except psutil.Error:
-                    continue
-                if line.startswith(JOB_PROCESSES):
-                    found[proc.pid] = f"{proc.pid} {line[:80]}"
-    return sorted(found.values())
+    """The processes of the cluster's jobs on either node, orphans included: every process of this host whose title is
+    an actor role's (:data:`ROLE_TITLES`) and whose environment holds the cluster's Ray temp dir (each node's
+    processes inherit it from their raylet, a vLLM engine core from its server)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or ())
+        if not ROLE_TITLES.match(line):
+            continue
+        try:
+            if proc.environ().get("RAY_TMPDIR") == cluster.temp:
+                found.append(f"{proc.pid} {line[:80]}")
+        except psutil.Error:
+            continue
+    return sorted(found)
 
 
 @pytest.fixture(scope="module")
@@ -343,8 +358,16 @@ except RuntimeError as exc:
 
 @pytest.fixture(scope="module")
 def lost_and_resumed(cluster):
-    """The sweep's run on two nodes, its worker node lost in step 4, the node back, the same sweep again."""
-    from respo_verl.tools.sweep.runner import connect
+    """Three attempts of the sweep's one run on two nodes, one checkpoint folder:
+
+    1. the sweep's; its TaskRunner on the worker, which is lost (SIGKILL of its raylet and tree) in step 4;
+    2. the node back, the same run submitted as a Ray job with its TaskRunner on the head (nothing else differs:
+       ``ray_kwargs`` is no part of the run's identity); it resumes from step 2, and the worker is lost again while
+       the update of step 3 runs, the trainer waiting on the lost rank;
+    3. the node back, the same sweep again, unchanged: it resumes from step 2, and its driver gets SIGTERM.
+    """
+    from respo_verl.tools.runs.manifest import MANIFEST_NAME, read_manifest
+    from respo_verl.tools.sweep.runner import connect, shell_line
 
     out = cluster.root / "sweep"  # fresh: the sweep makes its folders, the job's logger its log's
     log = out / "logs" / f"{RUN}.jsonl"
@@ -364,11 +387,12 @@ def lost_and_resumed(cluster):
     result["placement"] = _ray_python(
         cluster, f"from respo_verl.run.nodes import record_placement\nrecord_placement({job.job_id!r})"
     )
+    result["running"] = _job_processes(cluster)  # the search finds the job's processes while they run
     while sweep.poll() is None and max(cpu_runs.logged_steps(log), default=0) < KILL_AFTER_STEP:
         assert time.monotonic() < deadline, (cluster.root / "sweep-1.txt").read_text()[-3000:]
         time.sleep(0.5)
     killed_at = time.time()
-    cluster.kill_worker()
+    result["killed"] = cluster.kill_worker()
     # What the driver asks when its run ends with an actor error, asked here too while the job ends.
     result["asked"] = _ray_python(
         cluster,
@@ -384,7 +408,38 @@ def lost_and_resumed(cluster):
     result["leftovers"] = _job_processes(cluster)
     result["lost_lines"] = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     result["lost_out"] = (out / "logs" / f"{RUN}.out").read_text(errors="replace")
-    # The node comes back; the same sweep, run again unchanged, resubmits the run. Once the resumed attempt has
+    # 2. The node comes back; the run's manifest line, its TaskRunner on the head, as a Ray job of its own.
+    cluster.start_worker()
+    (record,) = read_manifest(out / MANIFEST_NAME)
+    on_head = [
+        f"+ray_kwargs.task_runner_resources={{{HEAD_RESOURCE}:1}}" if "task_runner_resources" in a else a
+        for a in record.command
+    ]
+    assert on_head != record.command, record.command
+    cpu_runs.record_drivers(1, "respo_verl.main_ppo (Ray job, two nodes, its TaskRunner on the head, the node lost)")
+    submitted = client.submit_job(
+        entrypoint=shell_line(dataclasses.replace(record, command=on_head)), submission_id=f"{RUN}-trainer-on-head"
+    )
+    while (job_id := client.get_job_info(submitted).job_id) is None:  # the driver has started
+        assert time.monotonic() < deadline + TIMEOUT_S, client.get_job_logs(submitted)[-3000:]
+        time.sleep(0.5)
+    result["update"], watcher = _wait_for_phase(cluster, job_id, KILL_AFTER_STEP, "update")
+    killed_at, result["update"]["kill_after_s"] = time.time(), time.monotonic() - result["update"]["read_at"]
+    result["killed_in_update"] = cluster.kill_worker()
+    watcher.wait(timeout=120)
+    while client.get_job_info(submitted).end_time is None:
+        assert time.monotonic() < deadline + TIMEOUT_S, client.get_job_logs(submitted)[-3000:]
+        time.sleep(0.5)
+    info = client.get_job_info(submitted)
+    result["on_head"] = {
+        "status": str(info.status),
+        "lost_after_s": info.end_time / 1000 - killed_at,
+        "out": client.get_job_logs(submitted),
+    }
+    time.sleep(5)
+    result["on_head"]["leftovers"] = _job_processes(cluster)
+    resumes = log.read_text().count('"event":"resume"')
+    # 3. The node comes back; the same sweep, run again unchanged, resubmits the run. Once the resumed attempt has
     # started (its log's resume line), its driver on the head gets SIGTERM: the TaskRunner on the worker saves
     # step 3 and ends the run.
     cluster.start_worker()
@@ -393,8 +448,8 @@ def lost_and_resumed(cluster):
         again = subprocess.Popen(
             _sweep(cluster, out), env=cluster.client_env(), stdout=fh, stderr=subprocess.STDOUT, cwd=cluster.root
         )
-    while again.poll() is None and '"event":"resume"' not in (log.read_text() if log.is_file() else ""):
-        assert time.monotonic() < deadline + TIMEOUT_S, (cluster.root / "sweep-2.txt").read_text()[-3000:]
+    while again.poll() is None and log.read_text().count('"event":"resume"') == resumes:
+        assert time.monotonic() < deadline + 2 * TIMEOUT_S, (cluster.root / "sweep-2.txt").read_text()[-3000:]
         time.sleep(0.5)
     driver = _driver(cluster)
     result["driver_on_worker"] = cluster.worker.pid in {p.pid for p in driver.parents()}
@@ -405,6 +460,41 @@ def lost_and_resumed(cluster):
     result["out_text"] = (out / "logs" / f"{RUN}.out").read_text(errors="replace")
     result["tracker"] = (out / "checkpoints" / RUN / TRACKER).read_text().strip()
     return result
+
+
+def _wait_for_phase(cluster: TwoNodes, job_id: str, step: int, phase: str) -> tuple[dict, subprocess.Popen]:
+    """Wait until the trainer's phase record of job ``job_id`` (read from the cluster's store by a client process
+    every 20 ms, which then exits at once) names ``phase`` of ``step`` or a later step; that record, with ``seen``
+    (every (step, phase) read) and ``read_at`` (the host's monotonic clock), and the client process (to be waited
+    for)."""
+    code = f"""
+import json, os, time
+from respo_verl.run.watchdog import PHASE, Records
+records, deadline, seen = Records({job_id!r}), time.monotonic() + {TIMEOUT_S}, []
+while time.monotonic() < deadline:
+    record = records.get(PHASE) or {{}}
+    if (record.get("step"), record.get("phase")) != tuple(seen[-1] if seen else ()):
+        seen.append((record.get("step"), record.get("phase")))
+    if (record.get("step") or 0) >= {step} and record.get("phase") == {phase!r}:
+        break
+    if record.get("why") == "training ended":
+        break
+    time.sleep(0.02)
+print("phase:", json.dumps({{**record, "seen": seen, "read_at": time.monotonic()}}), flush=True)
+os._exit(0)
+"""
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", "import ray\nray.init()\n" + code],
+        env=cluster.client_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    for line in watcher.stdout:
+        if line.startswith("phase: "):
+            return json.loads(line.removeprefix("phase: ")), watcher
+    watcher.wait(timeout=120)
+    raise AssertionError(f"the phase record of job {job_id} was never read")
 
 
 def _driver(cluster: TwoNodes) -> psutil.Process:
@@ -433,29 +523,68 @@ def test_ranks_and_vllm_servers_are_placed_one_per_node_and_the_run_says_where(c
         assert {where.get("update worker rank 0"), where.get("update worker rank 1")} == nodes, text
         assert {where.get("rollout server 0"), where.get("rollout server 1")} == nodes, text
         assert where.get("trainer") == WORKER_IP, text  # ray_kwargs.task_runner_resources
+    assert _placement(lost_and_resumed["on_head"]["out"]).get("trainer") == cluster.head_node
+
+
+LOST = (
+    r"step {step}: node " + re.escape(WORKER_IP) + r" \(Ray node [0-9a-f]{{12}}\) was lost with (.*); "
+    r"once the node is back, submit the job again: it resumes from its last checkpoint"
+)
+
+
+def _on_worker(text: str) -> set[str]:
+    """The roles the run's placement lines in ``text`` put on the worker."""
+    return {role for role, ip in _placement(text).items() if ip == WORKER_IP}
 
 
 @pytest.mark.slow
 def test_a_lost_node_stops_the_run_in_one_line_naming_it_its_roles_and_the_step(lost_and_resumed):
+    """The TaskRunner on the worker: it is lost with the node, and the driver's wait for it ends at once. The line
+    names every role the run placed on the worker, the trainer among them."""
     result = lost_and_resumed
     rc, out = result["first"]
     assert rc != 0 and f"run {RUN} failed" in out, out[-3000:]
-    lost = (
-        rf"step {KILL_AFTER_STEP + 1}: node {re.escape(WORKER_IP)} \(Ray node [0-9a-f]{{12}}\) was lost with (.*); "
-        r"once the node is back, submit the job again: it resumes from its last checkpoint"
-    )
+    lost = LOST.format(step=KILL_AFTER_STEP + 1)
     assert result["status"] == "FAILED" and result["lost_after_s"] is not None, result["status"]
     assert result["lost_after_s"] < LOST_WITHIN_S, result["lost_after_s"]
+    # the search for leftovers finds the job's processes on both nodes while the job runs, and none once it ended
+    running = " ".join(result["running"])
+    assert all(f"ray::{cls}" in running for cls in ("TaskRunner", "WorkerDict", "vLLMHttpServer")), running
+    assert "VLLM::EngineCore" in running, running
     assert result["leftovers"] == [], result["leftovers"]
-    # The roles the placement record put on the worker; its update worker rank and its vLLM server by name.
-    placed = {r for r, ip in _placement(result["placement"]).items() if ip == WORKER_IP}
-    essential = {r for r in placed if r.startswith(("update worker rank", "rollout server"))}
-    assert len(essential) == 2, placed
+    placed = _on_worker(result["placement"])
+    assert "trainer" in placed and {r for r in placed if r.startswith(("update worker", "rollout server"))}, placed
     (asked,) = [line for line in result["asked"].splitlines() if line.startswith("asked: ")]
     found = re.fullmatch("asked: " + lost, asked)
     assert found and placed <= set(found.group(1).split(", ")), (asked, placed)
     stopped = cpu_runs.stop_line(result["lost_out"], rf"\(lost node, exit {EXIT_ACTOR_DIED}\): " + lost)
-    assert essential <= set(stopped.group(1).split(", ")), (stopped.group(0), placed)
+    assert placed <= set(stopped.group(1).split(", ")), (stopped.group(0), placed)
+    assert _on_worker(result["lost_out"]) == placed  # the run's own placement lines say the same
+
+
+@pytest.mark.slow
+def test_a_lost_node_stops_a_trainer_on_the_surviving_node_waiting_in_the_update_within_a_minute(lost_and_resumed):
+    """The TaskRunner on the head survives the worker, killed while the update of step 3 (or a later one) runs: the
+    head's update worker waits on the lost rank, or its collective fails. Either way the run stops, never leaving the
+    update, in the one line naming the node and every role the run placed on the worker, within a minute: the
+    driver's look at the cluster, or the trainer's error for which the driver finds the node lost."""
+    run, update = lost_and_resumed["on_head"], lost_and_resumed["update"]
+    assert update["phase"] == "update" and update["step"] >= KILL_AFTER_STEP, update
+    # the kill came right after the update was read begun (one clock: CLOCK_MONOTONIC is the host's), and the step
+    # never ended: no line of it in the log
+    assert update["kill_after_s"] < 1.0, update
+    tail = [line.get("step", line.get("event")) for line in lost_and_resumed["lines"]]
+    tail = tail[len(lost_and_resumed["lost_lines"]) :]
+    this_attempt = tail[1 : tail.index("resume", 1)]  # between its resume line and the next attempt's
+    assert update["step"] not in this_attempt, tail
+    assert run["status"] == "FAILED", run["out"][-3000:]
+    assert run["lost_after_s"] < LOST_WITHIN_S, run["lost_after_s"]
+    placed = _on_worker(run["out"])
+    assert "trainer" not in placed and {r for r in placed if r.startswith("update worker")}, placed
+    lost = LOST.format(step=update["step"])
+    stopped = cpu_runs.stop_line(run["out"], rf"\(lost node, exit {EXIT_ACTOR_DIED}\): " + lost)
+    assert set(stopped.group(1).split(", ")) == placed, (stopped.group(0), placed)
+    assert run["leftovers"] == [], run["leftovers"]
 
 
 @pytest.mark.slow
@@ -481,8 +610,10 @@ def test_the_watchdog_on_the_head_reads_the_phase_record_of_the_trainer_on_the_w
     records = [json.loads(line) for line in cluster.trace.read_text().splitlines()]
     watched = [r for r in records if r.get("watched")]
     trainers = list(dict.fromkeys(r["pid"] for r in records))
-    assert len(trainers) == 2, records  # the lost run's TaskRunner, the resumed run's
-    for pid, steps in zip(trainers, ((1, 2, 3), (KILL_AFTER_STEP,)), strict=True):
+    assert len(trainers) == 3, records  # the TaskRunners of the three attempts
+    killed = lost_and_resumed["update"]["step"]
+    attempts = ((1, 2, 3), tuple(range(KILL_AFTER_STEP, killed + 1)), (KILL_AFTER_STEP,))
+    for pid, steps in zip(trainers, attempts, strict=True):
         seen = [r for r in watched if r["pid"] == pid]
         assert set(steps) <= {r["step"] for r in seen}, (pid, seen)
         assert [r["seq"] for r in seen] == sorted({r["seq"] for r in seen}), seen
@@ -500,7 +631,9 @@ def test_the_resubmitted_run_resumes_and_repeats_the_lost_runs_step(lost_and_res
     assert [line["step"] for line in lost] == list(range(1, KILL_AFTER_STEP + 1)), lost
     lines = result["lines"]
     tail = [line.get("step", line.get("event")) for line in lines[len(result["lost_lines"]) :]]
-    assert tail == ["resume", KILL_AFTER_STEP], tail  # then SIGTERM
+    # the attempt lost in the update of step k logged the steps before it, then SIGTERM
+    killed = result["update"]["step"]
+    assert tail == ["resume", *range(KILL_AFTER_STEP, killed), "resume", KILL_AFTER_STEP], tail
     resumed = {line["step"]: line["data"] for line in lines[len(result["lost_lines"]) :] if "step" in line}
     want, got = lost[KILL_AFTER_STEP - 1]["data"], resumed[KILL_AFTER_STEP]
     keys = {k for k in want if not any(part in k for part in _UNTIMED)}
