@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from support.ranks import free_port, run_ranks
+from support.ranks import free_port, gloo_world, run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -98,18 +98,17 @@ def test_a_fully_parallel_checkpoint_load_exchanges_its_shards_on_cpu(tmp_path):
 
 
 def _load_worker(rank: int, port: int, folder: str) -> None:
-    import datetime
-    import os
+    with gloo_world(rank, port, 2, _LOAD_TIMEOUT_S // 2):
+        _save_and_load_replicated(rank, folder)
 
+
+def _save_and_load_replicated(rank: int, folder: str) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=_LOAD_TIMEOUT_S // 2))
     try:
         cpu_patch.apply()
         # four tensors, each replicated on both ranks (replica_id = rank): the fully parallel load reads each once
@@ -128,4 +127,3 @@ def _load_worker(rank: int, port: int, folder: str) -> None:
             assert loaded[key].device.type == "cpu" and torch.equal(loaded[key], tensor), key
     finally:
         cpu_patch.remove()
-        dist.destroy_process_group()

@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from support.ranks import free_port, run_ranks
+from support.ranks import free_port, gloo_world, run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -60,28 +60,23 @@ def test_adam_state_of_the_distributed_optimizer_resumes_exactly(tmp_path):
 
 
 def _worker(rank: int, port: int, folder: str) -> None:
-    import datetime
     import os
 
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=_TIMEOUT_S // 2))
-    try:
-        cpu_patch.apply()
-        DISTRIBUTED_OPTIMIZER.apply()
-        for expert_parallel in EXPERT_PARALLEL_SIZES:
-            parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
-            try:
-                _save_resume_and_compare(rank, os.path.join(folder, f"ep{expert_parallel}"), expert_parallel)
-            finally:
-                parallel_state.destroy_model_parallel()
-    finally:
-        DISTRIBUTED_OPTIMIZER.remove()
-        cpu_patch.remove()
-        dist.destroy_process_group()
+    with gloo_world(rank, port, 2, _TIMEOUT_S // 2):
+        try:
+            cpu_patch.apply()
+            DISTRIBUTED_OPTIMIZER.apply()
+            for expert_parallel in EXPERT_PARALLEL_SIZES:
+                parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
+                try:
+                    _save_resume_and_compare(rank, os.path.join(folder, f"ep{expert_parallel}"), expert_parallel)
+                finally:
+                    parallel_state.destroy_model_parallel()
+        finally:
+            DISTRIBUTED_OPTIMIZER.remove()
+            cpu_patch.remove()
 
 
 def _build(seed: int, expert_parallel: int):

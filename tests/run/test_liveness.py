@@ -18,6 +18,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from support.fakes import Clock
 
 from respo_verl.run.guards import GuardConfig
 from respo_verl.run.launch import PROG
@@ -39,14 +40,6 @@ def ray_session():
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_an_agent_loop_worker_that_dies_mid_rollout_is_found_by_the_periodic_check(ray_session):

@@ -16,6 +16,7 @@ from ray.core.generated.common_pb2 import (
     RayException,
 )
 from ray.exceptions import ActorDiedError
+from support.fakes import KV, Clock
 
 from respo_verl.run import nodes as module
 from respo_verl.run.nodes import UNREACHABLE_CHECKS, ClusterWatch, NodeLost, failure, lost_node_stop
@@ -28,24 +29,6 @@ TRACEBACK = (
     "ray.exceptions.ActorDiedError: The actor died because of an error raised in its creation task\n"
     "RuntimeError: no TransferQueue controller\n"
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class KV(dict):
-    """Ray's key-value store as the board and the watchdog use it (``get`` is the dict's)."""
-
-    def put(self, name, value):
-        self[name] = value
-
-    def delete(self, name):
-        self.pop(name, None)
 
 
 def _actor(name: str, cls: str, node: str, state: str = "ALIVE", cause: ActorDeathCause | None = None, pid=100):

@@ -10,7 +10,6 @@ tests/cpu/test_cpu_hangs.py.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError, RayTaskError
+from support.fakes import KV, Clock
 
 from respo_verl.run.guards import GuardConfig
 from respo_verl.run.liveness import WATCH_PATCH_NAME, SampleWait, watch_replay_buffer
@@ -149,28 +149,10 @@ def test_errors_of_a_step_become_stops_naming_the_step():
     assert stop_for_error(ValueError("something else"), step=1) is None
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _buffer(refill=None):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
     return ReplayBuffer("sync", {}, None, "drop", {}, poll_interval=0.0, refill_fn=refill)
-
-
-class KV(dict):
-    """A stand-in for :class:`respo_verl.run.watchdog.Records`: the records as JSON, in this process."""
-
-    def put(self, name, value):
-        self[name] = json.loads(json.dumps(value))
-
-    def delete(self, name):
-        self.pop(name, None)
 
 
 def _watchdog(clock, **guard):

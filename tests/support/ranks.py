@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -33,3 +34,23 @@ def run_ranks(worker: Callable, args: tuple, nprocs: int, timeout_s: float, what
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+@contextmanager
+def gloo_world(rank: int, port: int, world_size: int, timeout_s: float) -> Iterator[None]:
+    """This process as ``rank`` of a gloo world of ``world_size`` ranks meeting at 127.0.0.1:``port`` (one torch
+    thread each: the ranks share the machine's cores), its collectives bounded by ``timeout_s``; the process group
+    is destroyed on exit."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

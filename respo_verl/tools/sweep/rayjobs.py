@@ -17,7 +17,7 @@ from pathlib import Path
 from respo_verl.tools.runs.manifest import RunRecord
 from respo_verl.tools.sweep.local import failure_report, logged_steps, output_path
 from respo_verl.tools.sweep.progress import SweepProgress
-from respo_verl.tools.sweep.runner import ClusterError, Outcome, Status, is_complete, shell_line
+from respo_verl.tools.sweep.runner import ClusterError, Outcome, Status, ended_outcomes, is_complete, shell_line
 
 RUN_KEY = "respo_verl_run"  # job metadata: the run's name
 OUT_KEY = "respo_verl_out"  # job metadata: the sweep's folder (resolved), so sweeps sharing a cluster stay apart
@@ -168,13 +168,7 @@ def wait_for_runs(
             time.sleep(POLL_S)
     finally:
         progress.close()
-    outcomes = []
-    for record in records:
-        if record.name in ended:
-            outcomes.append(ended[record.name])
-        elif is_complete(record, out_dir):
-            outcomes.append(Outcome(record.name, Status.SKIPPED, "skipped: log complete"))
-    return outcomes
+    return ended_outcomes(records, ended, out_dir)
 
 
 def run_on_ray(records: list[RunRecord], out_dir: Path, client, wait: bool = True, echo=print) -> list[Outcome]:

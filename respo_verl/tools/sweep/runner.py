@@ -72,6 +72,18 @@ def shell_line(record: RunRecord) -> str:
     return f"{env} {shlex.join(record.command)}".strip()
 
 
+def ended_outcomes(records: list[RunRecord], ended: dict[str, Outcome], out_dir: Path) -> list[Outcome]:
+    """After a wait for a cluster's jobs: the outcome of each run of ``records`` that ended, or skipped when its log is
+    complete (a run the sweep did not wait for); a run with neither has no outcome."""
+    outcomes = []
+    for record in records:
+        if record.name in ended:
+            outcomes.append(ended[record.name])
+        elif is_complete(record, out_dir):
+            outcomes.append(Outcome(record.name, Status.SKIPPED, "skipped: log complete"))
+    return outcomes
+
+
 def local_command(record: RunRecord) -> list[str]:
     """The run's command for this machine: the manifest's ``python`` is this interpreter (the sweep's environment)."""
     if record.command[:1] == ["python"]:
