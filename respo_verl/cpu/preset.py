@@ -118,7 +118,7 @@ def _check_vllm_cpu_job(cfg: Any) -> None:
 # (actor_rollout_ref.<role>.megatron.<key>): the values the +device=cpu_megatron preset sets.
 MEGATRON_CPU_SETTINGS = {
     "vanilla_mbridge": (True, "HF weights go through mbridge; Megatron-Bridge is not installed on CPU"),
-    "dtype": ("fp32", "megatron-core's bf16/fp16 optimizer accepts CUDA tensors only"),
+    "dtype": ("fp32", "the precision tested on CPU; megatron-core's bf16/fp16 optimizer is untested on the host"),
     "override_transformer_config.attention_backend": ("local", "flash and Transformer Engine attention need CUDA"),
     "override_transformer_config.moe_grouped_gemm": (False, "grouped GEMMs need Transformer Engine"),
     "override_transformer_config.gradient_accumulation_fusion": (False, "a CUDA extension"),

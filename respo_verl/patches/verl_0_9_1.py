@@ -120,10 +120,10 @@ FP32_MEGATRON_CONFIG = Patch("McoreEngineConfig accepts dtype fp32", VERL, VERSI
 def parameters_stay_on_the_host(models, *args, **kwargs) -> None:
     """verl's ``load_megatron_model_to_gpu`` / ``offload_megatron_model_to_cpu`` on the CPU platform: nothing to move.
 
-    verl's versions move megatron's DDP parameter buffer (``buffer.param_data``), which megatron-core allocates only
-    with the distributed optimizer, and that one accepts CUDA tensors only (``distrib_optimizer.py``:
-    ``model_param.type() == 'torch.cuda.FloatTensor'``). Without it ``param_data`` is None and verl's load fails
-    (``'NoneType' object has no attribute 'storage'``). On the host, parameters already are where they are used.
+    verl's versions move megatron's DDP parameter buffer (``buffer.param_data``) between the GPU and the host;
+    megatron-core allocates that buffer only with the distributed optimizer, and without it ``param_data`` is None and
+    verl's load fails (``'NoneType' object has no attribute 'storage'``). On the host, with or without the distributed
+    optimizer, parameters already are where they are used.
     """
     for chunk in models:
         for name, param in chunk.named_parameters():
@@ -229,7 +229,7 @@ def _megatron_engine_on_cpu(patch: Patch) -> None:
     from verl.models.mcore import model_forward
     from verl.workers.engine.megatron import transformer_impl
 
-    why = "megatron's parameter buffer exists only with the CUDA-only distributed optimizer"
+    why = "on the host there is no device to move megatron's parameter buffer to or from"
     for name in ("load_megatron_model_to_gpu", "offload_megatron_model_to_cpu"):
         patch.replace(transformer_impl, name, parameters_stay_on_the_host, why)
     preprocess_bshd = vars(model_forward)["preprocess_bshd_engine"]
