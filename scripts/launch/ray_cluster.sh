@@ -17,8 +17,8 @@
 # agent (listen, gRPC), runtime-env agent and metrics export, as a second node on one host needs), DASHBOARD_HOST
 # (127.0.0.1), DASHBOARD_PORT (8265), RAY_TMPDIR (/tmp/ray), RAY_AUTH_TOKEN_PATH (~/.ray/auth_token), RAY_WAIT (300),
 # DRY_RUN=1 prints only (and makes no token). Further arguments of `head` and `worker` go to `ray start` unchanged
-# (`--block` keeps `head` in the foreground, as `worker` always is; other ports: docs/cluster.md, "Two nodes on one
-# host").
+# (`--block` keeps `head` in the foreground, as `worker` always is; other ports:
+# docs/cluster.md, "Two nodes on one host").
 # verl asks 3 logical CPUs per GPU slot (one placement bundle each): `head` and `worker` refuse a node with fewer,
 # where verl's placement would wait for ever. Ray's CPUs are logical: NUM_CPUS may exceed the cores.
 set -euo pipefail

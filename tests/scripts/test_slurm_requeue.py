@@ -1,5 +1,5 @@
 """The Slurm template's pre-emption path: scripts/launch/slurm/respo_verl.sbatch under real Slurm, two nodes on this
-host (tests/support/local_slurm.py).
+host (scripts/dev/local_slurm.py).
 
 What is real: Slurm (``sbatch``, the batch shell's signal, ``srun`` steps, ``scontrol requeue`` and the requeued job
 running again), the template, the planner it calls (``python3 -m respo_verl.cli plan``), and

@@ -1,4 +1,4 @@
-"""``respo-verl sweep --slurm`` on a Slurm of two nodes on this host (tests/support/local_slurm.py): the grid as one
+"""``respo-verl sweep --slurm`` on a Slurm of two nodes on this host (scripts/dev/local_slurm.py): the grid as one
 job array through the Slurm template.
 
 Real: Slurm, sbatch's job array and its ``%K`` limit, the template (its Ray in dry-run mode, ``DRY_RUN=1``: Ray
@@ -52,7 +52,11 @@ def _sweep(slurm, out: Path, seeds: str = "0,1,2", *overrides: str, **popen) -> 
         DRY_RUN="1",
     )
     if popen:
-        return subprocess.Popen(cmd, text=True, env=env, cwd=ROOT, **popen)
+        # as from a terminal, where Ctrl-C interrupts: a process started in the background (CI's runner, nohup)
+        # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+        return subprocess.Popen(
+            cmd, text=True, env=env, cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen
+        )
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
 
