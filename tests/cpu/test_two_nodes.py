@@ -388,11 +388,11 @@ def lost_and_resumed(cluster):
         cluster, f"from respo_verl.run.nodes import record_placement\nrecord_placement({job.job_id!r})"
     )
     result["running"] = _job_processes(cluster)  # the search finds the job's processes while they run
-    while sweep.poll() is None and max(cpu_runs.logged_steps(log), default=0) < KILL_AFTER_STEP:
-        assert time.monotonic() < deadline, (cluster.root / "sweep-1.txt").read_text()[-3000:]
-        time.sleep(0.5)
+    # once the trainer generates step 4 (its record says so: the stop line names that step), its node is lost
+    result["generation"], watcher = _wait_for_phase(cluster, job.job_id, KILL_AFTER_STEP + 1, "generation")
     killed_at = time.time()
     result["killed"] = cluster.kill_worker()
+    watcher.wait(timeout=120)
     # What the driver asks when its run ends with an actor error, asked here too while the job ends.
     result["asked"] = _ray_python(
         cluster,
