@@ -224,15 +224,17 @@ def _install(patch: Patch) -> None:
 CPU = Patch("megatron-core on CPU: CUDA-only calls of a forward/backward", "megatron-core", "0.16.1", _install)
 
 
-def _host_type_as_cuda(original_type):
-    """``Tensor.type()`` naming a host tensor's CUDA type (``torch.FloatTensor`` → ``torch.cuda.FloatTensor``)."""
+def type_named_as_cuda(original_type, device: str, prefix: str):
+    """``Tensor.type()`` naming a ``device`` tensor's CUDA type, its type name's ``prefix`` becoming ``torch.cuda.``
+    (host: ``torch.FloatTensor`` → ``torch.cuda.FloatTensor``; meta: ``torch.meta.BFloat16Tensor`` →
+    ``torch.cuda.BFloat16Tensor``); any other tensor, or a call that converts, is left to ``original_type``."""
 
     @functools.wraps(original_type)
     def type_(self, *args, **kwargs):
         name = original_type(self, *args, **kwargs)
-        if args or kwargs or self.device.type != "cpu":
+        if args or kwargs or self.device.type != device:
             return name
-        return name.replace("torch.", "torch.cuda.", 1)
+        return name.replace(prefix, "torch.cuda.", 1)
 
     return type_
 
@@ -241,7 +243,10 @@ def _install_host_types_as_cuda(patch: Patch) -> None:
     import torch
 
     patch.replace(
-        torch.Tensor, "type", _host_type_as_cuda(torch.Tensor.type), "the shards' dtype check names CUDA types"
+        torch.Tensor,
+        "type",
+        type_named_as_cuda(torch.Tensor.type, "cpu", "torch."),
+        "the shards' dtype check names CUDA types",
     )
 
 

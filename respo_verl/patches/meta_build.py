@@ -27,7 +27,7 @@ import functools
 import importlib
 
 from respo_verl.patches import Patch
-from respo_verl.patches.megatron_core_0_16_1 import TorchOnDevice
+from respo_verl.patches.megatron_core_0_16_1 import TorchOnDevice, type_named_as_cuda
 
 # (short name, what it stands in for and why, what it may hide), in the order of the header line.
 DEVIATIONS: tuple[tuple[str, str, str], ...] = (
@@ -125,19 +125,6 @@ def _meta_norm(torch_norm: type) -> type:
 _CUDA_LITERAL_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer")
 
 
-def _cuda_type_name(original_type):
-    """``Tensor.type()`` naming a meta tensor's CUDA type (``torch.cuda.BFloat16Tensor``), as on the GPU."""
-
-    @functools.wraps(original_type)
-    def type_(self, *args, **kwargs):
-        name = original_type(self, *args, **kwargs)
-        if args or kwargs or self.device.type != "meta":
-            return name
-        return name.replace("torch.meta.", "torch.cuda.", 1)
-
-    return type_
-
-
 def _te_min_version(original):
     """megatron's ``is_te_min_version``: False when Transformer Engine is not installed (it raises then)."""
 
@@ -188,7 +175,10 @@ def _install_megatron(patch: Patch) -> None:
     for name in ("fused_dispatch", "fused_combine"):
         patch.replace(token_dispatcher, name, _not_installed(name), "the flex dispatcher checks that DeepEP is")
     patch.replace(
-        torch.Tensor, "type", _cuda_type_name(torch.Tensor.type), "the optimizer accepts torch.cuda.* types only"
+        torch.Tensor,
+        "type",
+        type_named_as_cuda(torch.Tensor.type, "meta", "torch.meta."),
+        "the optimizer accepts torch.cuda.* types only",
     )
     for module_name in ("megatron.core.optimizer.optimizer_config", "megatron.core.optimizer"):
         patch.replace(
