@@ -40,9 +40,12 @@ def kit():
 
 
 # N = 1 (one prompt pair per step), lr 1e-2 so that one update moves the actor's log-probs by more than the
-# weight-sync bound; the reward worker is killed once KILLED_AFTER steps are logged, so the run stops in the next
-# step or the one after (a step whose rewards were all in by then ends as usual).
+# weight-sync bound, and an entropy bonus so that every step updates (a step whose responses all get one reward has
+# advantages 0: without the bonus its gradient is 0, and the server would not fall behind). The reward worker is
+# killed once KILLED_AFTER steps are logged, so the run stops in the next step or the one after (a step whose rewards
+# were all in by then ends as usual).
 KILLED_AFTER = 3
+ENTROPY_COEFF = 1e-3
 STEPS = KILLED_AFTER + 2
 # What the agent-loop worker of tests/support/cpu_modules/raising_agent_loop.py raises in its constructor.
 RAISED = "raising_agent_loop: this agent-loop worker's constructor raises"
@@ -75,6 +78,7 @@ def stale_server_run(kit, tmp_path_factory) -> dict:
         STEPS,
         "trainer.save_freq=-1",
         "actor_rollout_ref.actor.optim.lr=1e-2",
+        f"actor_rollout_ref.actor.entropy_coeff={ENTROPY_COEFF}",
         # the stale server is this run's purpose: its agreement guard would stop it in step 2, so it warns
         "run_guard.sampler_agreement=warn",
         f"reward.custom_reward_function.path={cpu_runs.FAULTS / 'announcing_reward.py'}",
@@ -92,6 +96,8 @@ def test_negative_controls_stale_server_weights_and_on_policy_log_w(stale_server
         -4000:
     ]
     assert max(log_w(lines)) < ON_POLICY_LOG_W, log_w(lines)
+    grads = [line["data"]["actor/grad_norm"] for line in lines]
+    assert all(grad > 0 for grad in grads), f"a step without an update (grad norm per step {grads})"
     with pytest.raises(AssertionError, match="rollout/actor log-prob gap"):
         assert_weights_synced(lines)
 
