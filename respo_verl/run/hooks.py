@@ -11,26 +11,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from respo_verl.patches import Patch
-from respo_verl.run.stops import (
-    CRITIC_WORKER,
-    GENERATION_ACTORS,
-    REFERENCE_WORKER,
-    REWARD_WORKER,
-    ROLLOUT_SERVER,
-    UPDATE_WORKER,
-)
+from respo_verl.run.roles import TIMED_PHASES  # noqa: F401 (the trainer reads it from here)
 
-# The phases of a step that verl 0.9.1 times with ``marked_timer`` (its name -> the phase, the roles it waits on).
-TIMED_PHASES = {
-    "gen": ("generation", GENERATION_ACTORS),
-    "reward": ("reward", (REWARD_WORKER,)),
-    "old_log_prob": ("old log-probs", (UPDATE_WORKER,)),
-    "ref": ("reference log-probs", (REFERENCE_WORKER,)),
-    "values": ("values", (CRITIC_WORKER,)),
-    "update_critic": ("critic update", (CRITIC_WORKER,)),
-    "update_actor": ("update", (UPDATE_WORKER,)),
-    "update_weights": ("weight sync", (UPDATE_WORKER, ROLLOUT_SERVER)),
-}
 TIMED_MODULES = ("verl.trainer.ppo.v1.trainer_base", "verl.trainer.ppo.v1.trainer_sync")
 TIMERS_PATCH_NAME = "respo-verl trainer's phases from verl's step timers"
 HOOKS_PATCH_NAME = "respo-verl trainer's logger and sampler hooks"
@@ -77,8 +59,8 @@ def in_prompt_order(batch, prompt_order: dict[str, int]):
 
 def phase_timers(enter_phase: Any) -> Patch:
     """The patch that makes verl 0.9.1's step timers (``marked_timer``, imported by name into its V1 trainer
-    modules) also run the phase they time under ``enter_phase(name)`` (a context manager; see
-    :data:`TIMED_PHASES`)."""
+    modules) also run the phase they time under ``enter_phase(label)`` (a context manager; the labels:
+    :data:`respo_verl.run.roles.TIMED_PHASES`)."""
 
     def install(patch: Patch) -> None:
         for name in TIMED_MODULES:

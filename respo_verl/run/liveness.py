@@ -15,17 +15,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from respo_verl.patches import Patch, ray_private
-from respo_verl.run.stops import (
-    AGENT_LOOP_WORKER,
-    LOAD_BALANCER,
-    REFERENCE_WORKER,
-    REWARD_WORKER,
-    ROLLOUT_SERVER,
-    UPDATE_WORKER,
-    WORKER_GROUPS,
-    ActorDied,
-    dead_actor,
-)
+from respo_verl.run.roles import ROLE, ROLES, ROLLOUT_SERVER, UPDATE_WORKER
+from respo_verl.run.stops import ActorDied, dead_actor
 
 # While a step waits for its samples, how often the actors it waits on are checked for life (one Ray call each, all
 # at once); a failed sample (verl then generates its group again) checks them at once.
@@ -41,17 +32,9 @@ def watched_actors(trainer: Any) -> list[tuple[str, list]]:
     """The Ray actors a step of verl 0.9.1's V1 trainer waits on while it waits for its samples, by role (those the
     run has). The worker groups and TransferQueue are not here: the step's ``ray.get`` of them raises Ray's
     ``ActorDiedError`` for a dead one (:func:`respo_verl.run.stops.stop_for_error`)."""
-    agent_loop = getattr(trainer, "agent_loop_manager", None)
-    reward_loop = getattr(trainer, "reward_loop_manager", None)
-    servers = getattr(trainer, "llm_server_manager", None)
-    balancer = getattr(servers, "global_load_balancer", None)
-    kinds = [
-        (AGENT_LOOP_WORKER, getattr(agent_loop, "agent_loop_workers", None)),
-        (REWARD_WORKER, getattr(reward_loop, "reward_loop_workers", None)),
-        (ROLLOUT_SERVER, getattr(servers, "server_handles", None)),
-        (LOAD_BALANCER, [balancer] if balancer is not None else None),
-    ]
-    return [(kind, list(handles)) for kind, handles in kinds if handles]
+    held = [(role.name, role.held_by(trainer)) for role in ROLES if role.attribute and not role.worker_group]
+    handles = [(name, list(h) if isinstance(h, (list, tuple)) else [h]) for name, h in held if h is not None]
+    return [(name, h) for name, h in handles if h]
 
 
 def _answered(refs: list) -> list[int]:
@@ -201,17 +184,16 @@ def watch_replay_buffer(buffer: Any, wait: SampleWait) -> Patch:
 
 
 def waits_on(trainer: Any, *kinds: str) -> str:
-    """The actors of ``kinds`` (roles of :mod:`respo_verl.run.stops`) that ``trainer`` (verl 0.9.1's V1 trainer)
+    """The actors of ``kinds`` (roles of :mod:`respo_verl.run.roles`) that ``trainer`` (verl 0.9.1's V1 trainer)
     has, counted, e.g. ``1 update worker, 1 rollout server``: worker groups by their world size, the others as
-    :func:`watched_actors` finds them. A reference policy that lives in the update workers is counted as them; none
-    found: :data:`BETWEEN_PHASES`."""
-    others = dict(watched_actors(trainer))
+    :func:`watched_actors` finds them. A worker group that is the update workers' (a reference policy that lives in
+    them) is counted as them; none found: :data:`BETWEEN_PHASES`."""
+    others, update = dict(watched_actors(trainer)), ROLE[UPDATE_WORKER].held_by(trainer)
     counts: dict[str, int] = {}
     for kind in kinds:
-        group = getattr(trainer, WORKER_GROUPS[kind], None) if kind in WORKER_GROUPS else None
-        if kind == REFERENCE_WORKER and group is not None and group is getattr(trainer, "actor_rollout_wg", None):
-            kind = UPDATE_WORKER
-        count = int(getattr(group, "world_size", 0) or 0) if kind in WORKER_GROUPS else len(others.get(kind, ()))
+        group = ROLE[kind].held_by(trainer) if ROLE[kind].worker_group else None
+        kind = UPDATE_WORKER if group is not None and group is update else kind
+        count = int(getattr(group, "world_size", 0) or 0) if ROLE[kind].worker_group else len(others.get(kind, ()))
         if count:
             counts[kind] = max(counts.get(kind, 0), count)
     config = getattr(trainer, "config", None)  # verl's; the tests' stand-ins may have none

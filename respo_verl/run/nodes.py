@@ -18,11 +18,11 @@ from omegaconf import OmegaConf
 
 from respo_verl.patches import ray_private
 from respo_verl.run.checkpoint import checkpoint_folder
-from respo_verl.run.stops import ActorDied, RunStopped, actor_role, causes
+from respo_verl.run.roles import ROLE, ROLLOUT_SERVER, TRAINER, UPDATE_WORKER, actor_role
+from respo_verl.run.stops import ActorDied, RunStopped, causes
 
 MARKER = ".respo-verl-nodes"  # the driver's marker in the checkpoint root, read on every node
-_RANK = re.compile(r"_(\d+):(\d+)$")  # verl's worker actors: <prefix><class>_<placement group>:<bundle>
-_SERVER = re.compile(r"server_(\d+)_(\d+)")  # verl's rollout servers: <prefix>server_<replica>_<node rank>
+_RANK, _SERVER = ROLE[UPDATE_WORKER].actor_name, ROLE[ROLLOUT_SERVER].actor_name
 # How often the driver looks at its run's nodes and, in the set-up, its actors (:class:`ClusterWatch`): with
 # UNREACHABLE_CHECKS, a lost node is named about 10 s after its raylet went away, whatever the trainer waits on.
 CLUSTER_CHECK_INTERVAL_S = 5.0
@@ -89,7 +89,7 @@ def named(actors: list[dict], alive_only: bool = False) -> list[tuple[str, dict]
     ranks = sorted((int(m[1]), int(m[2])) for a in actors if (m := _RANK.search(a["Name"] or "")))
     counts: dict[str, int] = {}
     rows = [(_role_of(a, ranks, counts), a) for a in sorted(actors, key=lambda a: (a["Name"] or "", a["ActorID"]))]
-    return sorted(rows, key=lambda r: (r[0] != "trainer", r[0]))
+    return sorted(rows, key=lambda r: (r[0] != TRAINER, r[0]))
 
 
 def roles_of(actors: list[dict], alive_only: bool = False) -> list[tuple[str, str]]:
@@ -100,11 +100,11 @@ def roles_of(actors: list[dict], alive_only: bool = False) -> list[tuple[str, st
 def _role_of(actor: dict, ranks: list[tuple[int, int]], counts: dict[str, int]) -> str:
     short, name = actor["ActorClassName"].rsplit(".", 1)[-1], actor["Name"] or ""
     role = actor_role(short) or short
-    if role == "update worker" and (rank := _RANK.search(name)):
+    if role == UPDATE_WORKER and (rank := _RANK.search(name)):
         return role + f" rank {ranks.index((int(rank[1]), int(rank[2])))}"
-    if role == "rollout server" and (server := _SERVER.search(name)):
+    if role == ROLLOUT_SERVER and (server := _SERVER.search(name)):
         return role + f" {server[1]}" + (f" (node rank {server[2]})" if server[2] != "0" else "")
-    if role == "trainer":
+    if role == TRAINER:
         return role
     counts[role] = counts.get(role, -1) + 1
     return role + f" {counts[role]}"

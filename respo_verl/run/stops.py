@@ -11,6 +11,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# the roles' names stay importable from here for the modules that name them with a stop's kinds
+from respo_verl.run.roles import (  # noqa: F401
+    ACTOR_ROLES,
+    CRITIC_WORKER,
+    GENERATION_ACTORS,
+    ROLLOUT_SERVER,
+    UPDATE_WORKER,
+    actor_role,
+)
+
 EXIT_ERROR = 1  # an error the run does not know: the one line, then its traceback
 EXIT_REFUSED = 2  # the job was refused before it started (a check of the job, the data, the machine, a node)
 EXIT_GUARD = 3  # a run guard on a step's metrics or data (failed samples, a collapsed policy, non-finite values)
@@ -22,34 +32,6 @@ EXIT_PHASE_STALLED = 7  # the watchdog: any other phase of a step made no progre
 # Ray's error text for a dead actor goes on with advice about every possible cause; the line keeps what happened.
 _RAY_ADVICE = re.compile(r"\s*(Some common causes include|There are some potential root causes|Check the).*", re.S)
 MAX_CAUSE_CHARS = 600  # a cause longer than this is cut: the line must stay one line a person reads
-# The actors of a verl 0.9.1 run, by the role a stop line gives them: the one table of actor kinds. Each role lists
-# the ends of the class names Ray reports for its actors (verl's colocated worker class is
-# ``create_colocated_worker_cls.<locals>.WorkerDict``), and the trainer's attribute that holds a worker group of it.
-UPDATE_WORKER = "update worker"  # verl's colocated worker: the policy's update, old log-probs, reference
-REFERENCE_WORKER = "reference worker"
-CRITIC_WORKER = "critic worker"
-TRAINER = "trainer"  # verl's TaskRunner: the process the respo-verl trainer runs in
-AGENT_LOOP_WORKER = "agent-loop worker"
-REWARD_WORKER = "reward worker"
-ROLLOUT_SERVER = "rollout server"
-LOAD_BALANCER = "rollout load balancer"
-ACTOR_ROLES = (
-    ("WorkerDict", UPDATE_WORKER),
-    ("TaskRunner", TRAINER),
-    ("TaskRunnerV1", TRAINER),
-    ("AgentLoopWorker", AGENT_LOOP_WORKER),
-    ("AgentLoopWorkerTQ", AGENT_LOOP_WORKER),
-    ("RewardLoopWorker", REWARD_WORKER),
-    ("LoadBalancer", LOAD_BALANCER),
-    ("HttpServer", ROLLOUT_SERVER),
-    ("RolloutServer", ROLLOUT_SERVER),
-    ("StorageUnit", "TransferQueue storage"),
-    ("Controller", "TransferQueue controller"),
-)
-# The worker groups of verl's V1 trainer (``trainer.<attribute>``) by the role of their actors.
-WORKER_GROUPS = {UPDATE_WORKER: "actor_rollout_wg", REFERENCE_WORKER: "ref_policy_wg", CRITIC_WORKER: "critic_wg"}
-# What generation and validation wait on.
-GENERATION_ACTORS = (AGENT_LOOP_WORKER, REWARD_WORKER, ROLLOUT_SERVER, LOAD_BALANCER)
 
 
 class RunStopped(RuntimeError):
@@ -113,12 +95,6 @@ def causes(exc: BaseException) -> list[BaseException]:
         inner = getattr(current, "cause", None)
         current = inner if isinstance(inner, BaseException) else current.__cause__
     return chain
-
-
-def actor_role(class_name: str) -> str | None:
-    """What an actor of class ``class_name`` (as Ray names it) does in a run (:data:`ACTOR_ROLES`), or None."""
-    short = class_name.rsplit(".", 1)[-1]
-    return next((role for end, role in ACTOR_ROLES if short.endswith(end)), None)
 
 
 def dead_actor(exc: BaseException) -> tuple[str | None, str, str]:

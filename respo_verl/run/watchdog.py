@@ -23,6 +23,7 @@ from respo_verl.patches import ray_private
 from respo_verl.run.guards import GuardConfig
 from respo_verl.run.liveness import BETWEEN_PHASES
 from respo_verl.run.nodes import CLUSTER_CHECK_INTERVAL_S, ClusterWatch
+from respo_verl.run.roles import SAMPLE_PHASES, VALIDATION
 from respo_verl.run.stops import PhaseStalled, RunStopped, StalledAfterStop, StepStalled
 
 # Ray's key-value namespace of the records; each run's keys start with its Ray job id.
@@ -31,8 +32,6 @@ PHASE, STOP = "phase", "stop"  # the trainer's phase record, the driver's stop r
 # How often the driver reads the phase record: a phase past its bound stops the run at most this much later. The
 # folder of a save in progress is measured as often.
 PHASE_CHECK_INTERVAL_S = 2.0
-# The phases that wait for samples: their progress is a finished sample, their bound run_guard.max_stall_s.
-SAMPLE_PHASES = ("generation", "validation")
 # The stages of a run's set-up are phases named ``set-up (<stage>)``: their progress is a new stage or a new actor of
 # the run, their bound run_guard.max_setup_s. Before the trainer's first record, the TaskRunner starts.
 SETUP = "set-up"
@@ -208,7 +207,7 @@ class Watchdog:
         """The one line of a stop: ``record``'s phase, quiet for ``quiet`` seconds past its bound."""
         step, phase, waits = record.get("step"), record.get("phase"), f"it waits on {record.get('waits_on')}"
         samples = phase in SAMPLE_PHASES
-        wait = f"the step waited for its {'validation' if phase == 'validation' else 'train'} samples"
+        wait = f"the step waited for its {VALIDATION if phase == VALIDATION else 'train'} samples"
         state = f" ({record['detail']})" if record.get("detail") else ""
         if after_stop:
             bound = f"run_guard.max_stall_after_stop_s={self.guard.max_stall_after_stop_s:g}"

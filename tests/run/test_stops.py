@@ -43,7 +43,7 @@ from respo_verl.run.stops import (
 from respo_verl.run.watchdog import PhaseBoard, Watchdog
 
 PROG = "respo_verl.main_ppo"
-# Ray 2.60's reason for a worker process killed with SIGKILL (seen in tests/cpu/test_cpu_stops.py's run)
+# Ray 2.60's reason for a worker process killed with SIGKILL
 KILLED = (
     "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
     "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the "
@@ -271,10 +271,10 @@ def test_the_presets_bounds_are_the_config_classes_defaults_and_the_cpu_presets_
         1800,
         1800,
     )
-    for preset in ("cpu", "cpu_megatron"):
-        node = OmegaConf.load(configs / "device" / f"{preset}.yaml").run_guard
-        cpu = GuardConfig.from_config({**OmegaConf.to_container(node)})
-        assert (cpu.max_stall_s, cpu.max_stall_after_stop_s, cpu.max_phase_s, cpu.max_setup_s) == (300, 60, 120, 300)
+    # Both CPU presets take theirs from the file they share (tests/configs/test_device_family.py).
+    node = OmegaConf.load(configs / "respo_verl" / "cpu.yaml").run_guard
+    cpu = GuardConfig.from_config({**OmegaConf.to_container(node)})
+    assert (cpu.max_stall_s, cpu.max_stall_after_stop_s, cpu.max_phase_s, cpu.max_setup_s) == (300, 60, 120, 300)
 
 
 def test_the_trainers_logger_and_sampler_hooks_act_and_undo(capsys):
@@ -457,7 +457,7 @@ def test_waits_on_counts_the_actors_of_a_phase_by_role():
     from omegaconf import OmegaConf
 
     from respo_verl.run.liveness import BETWEEN_PHASES, waits_on
-    from respo_verl.run.stops import GENERATION_ACTORS
+    from respo_verl.run.roles import GENERATION_ACTORS
 
     actor = SimpleNamespace(world_size=2)
     trainer = SimpleNamespace(
