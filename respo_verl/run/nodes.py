@@ -110,18 +110,13 @@ def _role_of(actor: dict, ranks: list[tuple[int, int]], counts: dict[str, int]) 
     return role + f" {counts[role]}"
 
 
-def job_roles(job: str | None = None, alive_only: bool = False) -> list[tuple[str, str]]:
-    """(role, Ray node id) of each actor of ``job`` (default: this process's job), the trainer first."""
-    return roles_of(job_actors(job), alive_only)
-
-
 def record_placement(job: str | None = None) -> dict[str, str]:
     """Log one line per role of ``job`` (default: this process's) with its node, ``respo_verl placement: <role>: node
     <address> (Ray node <id>)``; return {role: node address}. Call it once the roles exist (the trainer's workers)."""
     import ray
 
     nodes, placement = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}, {}
-    for role, node in job_roles(job, alive_only=True):
+    for role, node in roles_of(job_actors(job), alive_only=True):
         placement[role] = nodes.get(node, "?")
         print(f"respo_verl placement: {role}: node {placement[role]} (Ray node {node[:12]})", flush=True)
     return placement
@@ -173,7 +168,7 @@ def lost_node_stop(
     if not ray.is_initialized():
         return None
     try:
-        roles, nodes = job_roles(job), {n["NodeID"]: n for n in ray.nodes()}
+        roles, nodes = roles_of(job_actors(job)), {n["NodeID"]: n for n in ray.nodes()}
     except Exception:  # the cluster itself is gone (its head): nothing to name
         return None
     lost = {n: r for n, r in _nodes_with_roles(roles, nodes).items() if not _reachable(nodes[n])}

@@ -1,8 +1,6 @@
-"""The roles of a verl 0.9.1 run: the one table of how verl names, holds and times each kind of actor.
-
-Stop lines, the liveness check, the placement record, the phase record and the watchdog all read their roles from
-:data:`ROLES`; a rename in verl is one edit here (tests/run/test_roles.py holds the table against verl's source).
-Imports neither verl nor Ray.
+"""The roles of a verl 0.9.1 run: the one table of how verl names, holds and times each kind of actor, read by the
+stop lines, the liveness check, the placement record, the phase record and the watchdog (tests/run/test_roles.py holds
+it against verl's source). Imports neither verl nor Ray.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ class Role:
     attribute: str | None = None  # where verl's V1 trainer holds its actors (a dotted path)
     worker_group: bool = False  # the attribute is a worker group, counted by its world size
     actor_name: re.Pattern | None = None  # verl's names of its actors; the groups number them
-    timers: tuple[str, ...] = ()  # the labels of verl's step timers (``marked_timer``) whose phases wait on it
     processes: tuple[str, ...] = ()  # the titles of its processes that are not Ray actors
 
     def held_by(self, trainer: Any) -> Any:
@@ -44,57 +41,35 @@ class Role:
         return held
 
 
+# name, class-name ends, trainer attribute, worker group, actor names, titles of processes that are no actors
 ROLES = (
-    Role(
-        UPDATE_WORKER,
-        ("WorkerDict",),
-        "actor_rollout_wg",
-        worker_group=True,
-        actor_name=re.compile(r"_(\d+):(\d+)$"),  # <prefix><class>_<placement group>:<bundle>
-        timers=("old_log_prob", "update_actor", "update_weights"),
-    ),
-    Role(REFERENCE_WORKER, attribute="ref_policy_wg", worker_group=True, timers=("ref",)),
-    Role(CRITIC_WORKER, attribute="critic_wg", worker_group=True, timers=("values", "update_critic")),
+    Role(UPDATE_WORKER, ("WorkerDict",), "actor_rollout_wg", True, re.compile(r"_(\d+):(\d+)$")),
+    Role(REFERENCE_WORKER, (), "ref_policy_wg", True),
+    Role(CRITIC_WORKER, (), "critic_wg", True),
     Role(TRAINER, ("TaskRunner", "TaskRunnerV1")),
-    Role(
-        AGENT_LOOP_WORKER,
-        ("AgentLoopWorker", "AgentLoopWorkerTQ"),
-        "agent_loop_manager.agent_loop_workers",
-        timers=("gen",),
-    ),
-    Role(REWARD_WORKER, ("RewardLoopWorker",), "reward_loop_manager.reward_loop_workers", timers=("gen", "reward")),
-    Role(
-        ROLLOUT_SERVER,
-        ("HttpServer", "RolloutServer"),
-        "llm_server_manager.server_handles",
-        actor_name=re.compile(r"server_(\d+)_(\d+)"),  # <prefix>server_<replica>_<node rank>
-        timers=("gen", "update_weights"),
-        processes=("VLLM::EngineCore",),  # vLLM's engine core, a process of its server
-    ),
-    Role(LOAD_BALANCER, ("LoadBalancer",), "llm_server_manager.global_load_balancer", timers=("gen",)),
+    Role(AGENT_LOOP_WORKER, ("AgentLoopWorker", "AgentLoopWorkerTQ"), "agent_loop_manager.agent_loop_workers"),
+    Role(REWARD_WORKER, ("RewardLoopWorker",), "reward_loop_manager.reward_loop_workers"),
+    Role(ROLLOUT_SERVER, ("HttpServer", "RolloutServer"), "llm_server_manager.server_handles", False,
+         re.compile(r"server_(\d+)_(\d+)"), ("VLLM::EngineCore",)),  # vLLM's engine core: a process of its server
+    Role(LOAD_BALANCER, ("LoadBalancer",), "llm_server_manager.global_load_balancer"),
     Role("TransferQueue storage", ("StorageUnit",)),
     Role("TransferQueue controller", ("Controller",)),
-)
+)  # fmt: skip
 ROLE = {role.name: role for role in ROLES}
-# verl's step-timer label -> the phase of a step it times, as the phase record names it.
-PHASE_OF_TIMER = {
-    "gen": "generation",
-    "reward": "reward",
-    "old_log_prob": "old log-probs",
-    "ref": "reference log-probs",
-    "values": "values",
-    "update_critic": "critic update",
-    "update_actor": "update",
-    "update_weights": "weight sync",
-}
-# verl's timer label -> (the phase, the roles it waits on), for the phase record.
+GENERATION_ACTORS = (AGENT_LOOP_WORKER, REWARD_WORKER, ROLLOUT_SERVER, LOAD_BALANCER)  # what samples wait on
+# The phases of a step that verl times with ``marked_timer`` (its label -> the phase, the roles it waits on).
 TIMED_PHASES = {
-    label: (phase, tuple(role.name for role in ROLES if label in role.timers))
-    for label, phase in PHASE_OF_TIMER.items()
+    "gen": ("generation", GENERATION_ACTORS),
+    "reward": ("reward", (REWARD_WORKER,)),
+    "old_log_prob": ("old log-probs", (UPDATE_WORKER,)),
+    "ref": ("reference log-probs", (REFERENCE_WORKER,)),
+    "values": ("values", (CRITIC_WORKER,)),
+    "update_critic": ("critic update", (CRITIC_WORKER,)),
+    "update_actor": ("update", (UPDATE_WORKER,)),
+    "update_weights": ("weight sync", (UPDATE_WORKER, ROLLOUT_SERVER)),
 }
-GENERATION_ACTORS = TIMED_PHASES["gen"][1]  # what generation and validation wait on
 # The phases that wait for samples: their progress is a finished sample, their bound run_guard.max_stall_s.
-SAMPLE_PHASES = (PHASE_OF_TIMER["gen"], VALIDATION)
+SAMPLE_PHASES = (TIMED_PHASES["gen"][0], VALIDATION)
 # (class-name end, role) for each class an actor of the run may have.
 ACTOR_ROLES = tuple((end, role.name) for role in ROLES for end in role.classes)
 # The title of a process of the run, at its start: Ray titles an actor's process ``ray::<class>[.<method>]``.

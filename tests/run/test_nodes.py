@@ -214,7 +214,7 @@ def test_a_surviving_trainers_actor_error_names_the_lost_node_and_the_step_the_t
     up, down = raylets
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "nodes", lambda: [_node(HEAD, up), _node(WORKER, down)])
-    monkeypatch.setattr(module, "job_roles", lambda job=None, alive_only=False: module.roles_of(_run_actors()))
+    monkeypatch.setattr(module, "job_actors", lambda job=None: _run_actors())
     told = ActorDied("step 4: rollout server 1 of 2 (vLLMHttpServer, pid 7) has died while the step waited")
     stop = lost_node_stop(told, None)
     assert isinstance(stop, NodeLost)

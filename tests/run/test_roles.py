@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 from respo_verl.run import hooks, liveness, nodes, roles, stops, watchdog
 from respo_verl.run.roles import (
-    PHASE_OF_TIMER,
     PROCESS_TITLES,
     ROLE,
     ROLES,
@@ -41,6 +40,7 @@ def test_the_modules_that_name_roles_read_the_one_table():
     assert hooks.TIMED_PHASES is TIMED_PHASES and watchdog.SAMPLE_PHASES is SAMPLE_PHASES
     assert nodes._RANK is ROLE[UPDATE_WORKER].actor_name and nodes._SERVER is ROLE[roles.ROLLOUT_SERVER].actor_name
     assert SAMPLE_PHASES == (TIMED_PHASES["gen"][0], VALIDATION)
+    assert all(set(waits_on) <= set(ROLE) for _, waits_on in TIMED_PHASES.values())
     # generation waits on exactly the actors that the liveness check watches while a step waits for its samples
     assert roles.GENERATION_ACTORS == tuple(r.name for r in ROLES if r.attribute and not r.worker_group)
 
@@ -51,14 +51,6 @@ def test_each_class_end_names_its_role_whatever_the_order_of_the_table():
         assert actor_role(f"module.<locals>.Prefixed{end}") == name
         assert not [other for other, who in ends if who != name and other.endswith(end)], end
     assert actor_role("SomethingElse") is None
-
-
-def test_every_timer_of_a_role_is_a_timed_phase_and_every_phase_waits_on_a_role():
-    for role in ROLES:
-        assert set(role.timers) <= set(PHASE_OF_TIMER), role.name
-    for label, (phase, waits_on) in TIMED_PHASES.items():
-        assert phase == PHASE_OF_TIMER[label] and waits_on, label
-        assert waits_on == tuple(r.name for r in ROLES if label in r.timers)
 
 
 def test_the_liveness_check_finds_each_role_where_the_table_says_verls_trainer_holds_it():
@@ -79,14 +71,14 @@ def test_every_spelling_of_verls_in_the_table_is_in_verls_source():
     """The labels of the step timers in the modules whose timers :func:`respo_verl.run.hooks.phase_timers` patches,
     the classes (verl's, TransferQueue's, or respo-verl's CPU rollout server), and the trainer's attributes."""
     timed = "\n".join(_file(module).read_text() for module in hooks.TIMED_MODULES)
-    for label in PHASE_OF_TIMER:
+    for label in TIMED_PHASES:
         assert f'marked_timer("{label}"' in timed, f"verl 0.9.1 times no phase {label!r}"
     classes = set(re.findall(r"^\s*class (\w+)", _source("verl", "transfer_queue", "respo_verl"), re.M))
     for end, _ in roles.ACTOR_ROLES:
         assert any(name.endswith(end) for name in classes), f"no class ends in {end!r}"
     verl = _source("verl")
     for role in ROLES:
-        for part in (role.attribute or "").split(".") if role.attribute else ():
+        for part in role.attribute.split(".") if role.attribute else ():
             assert f"self.{part} =" in verl, f"verl's objects have no attribute {part!r} ({role.name})"
 
 
