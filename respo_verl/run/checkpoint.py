@@ -223,13 +223,13 @@ def checkpoint_layout(cfg: Any) -> dict[str, Any]:
     record.update({"data_parallel_size": lay.dp, "nnodes": lay.nnodes, "n_gpus_per_node": lay.gpus_per_node})
     if lay.backend == "megatron":
         record["use_distributed_optimizer"] = lay.distributed_optimizer
-        record["optimizer_format"] = _optimizer_format(cfg, lay)
+        record["optimizer_format"] = optimizer_format(cfg, lay)
     record["routing"] = lay.replay
     record["model"] = OmegaConf.select(cfg, "actor_rollout_ref.model.path")
     return record
 
 
-def _optimizer_format(cfg: Any, lay: Layout) -> str:
+def optimizer_format(cfg: Any, lay: Layout) -> str:
     """The format verl 0.9.1 saves a Megatron actor's optimizer in (the metadata it writes beside it)."""
     if OmegaConf.select(cfg, f"{MEGATRON}.use_megatron_fsdp", default=False):
         return FSDP_DTENSOR

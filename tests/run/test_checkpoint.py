@@ -326,13 +326,15 @@ def test_the_same_layout_resumes_without_a_word(tmp_path):
     assert plan.resume_from == path and plan.warnings == ()
 
 
-def test_a_change_of_data_parallel_only_resumes_from_dp_reshardable_with_one_warning(tmp_path):
-    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=2, nnodes=1, n_gpus_per_node=2))
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
+def test_a_change_of_data_parallel_only_resumes_from_either_format_with_one_warning(tmp_path, fmt):
+    saved = _mcore_cfg(tmp_path, ep=2, nnodes=1, n_gpus_per_node=2, fully_reshardable=fmt == "fully_reshardable")
+    path = _save(tmp_path, 2, saved)
     plan = plan_resume(_mcore_cfg(tmp_path, ep=2, nnodes=2, n_gpus_per_node=2))  # a second node, EP as saved
     assert plan.resume_from == path
     assert plan.warnings == (
         f"layout changed since {path}: data_parallel_size 2 -> 4, nodes × GPUs 1×2 -> 2×2; the optimizer was saved "
-        "dp_reshardable: megatron-core reshards it in data parallel",
+        f"{fmt}: megatron-core reshards it in data parallel",
     )
 
 
@@ -507,6 +509,33 @@ def test_a_shipped_preset_resumes_on_more_nodes():
     assert verdict.resumes and verdict.changes == ("data_parallel_size 8 -> 16", "nodes × GPUs 2×8 -> 4×8")
     assert saved["layout"]["optimizer_format"] == "dp_reshardable"
     assert saved["layout"]["expert_model_parallel_size"] == current["layout"]["expert_model_parallel_size"] == 8
+
+
+def test_the_fully_reshardable_switch_saves_a_checkpoint_an_expert_parallel_change_resumes_from():
+    """``+respo_verl=fully_reshardable`` on a shipped preset: the same run (the format is a layout key), its marker
+    records the format, and a relaunch with another EP resumes from its checkpoints where the preset's own are refused;
+    a change of data parallel only resumes from both."""
+    from respo_verl.tools.plan.presets import compose_preset
+
+    switch = "+respo_verl=fully_reshardable"
+    halved_ep = [f"{MEGATRON}.expert_model_parallel_size=4"]
+    plain, switched = (identity(compose_preset("qwen3_30b_a3b_h100_2x8", extra)) for extra in ([], [switch]))
+    assert switched["fingerprint"] == plain["fingerprint"]
+    assert (plain["layout"]["optimizer_format"], switched["layout"]["optimizer_format"]) == (
+        "dp_reshardable",
+        "fully_reshardable",
+    )
+    other_ep = identity(compose_preset("qwen3_30b_a3b_h100_2x8", [switch, *halved_ep]))["layout"]
+    more_nodes = identity(compose_preset("qwen3_30b_a3b_h100_4x8"))["layout"]
+    verdict = checkpoint.layout_verdict(switched["layout"], other_ep)
+    assert verdict.resumes and verdict.changes == ("expert_model_parallel_size 8 -> 4",), verdict
+    verdict = checkpoint.layout_verdict(plain["layout"], other_ep)
+    assert (
+        not verdict.resumes and "dp_reshardable, which megatron-core reshards in data parallel only" in verdict.reason
+    )
+    for saved in (plain, switched):
+        verdict = checkpoint.layout_verdict(saved["layout"], more_nodes)
+        assert verdict.resumes and verdict.changes == ("data_parallel_size 8 -> 16", "nodes × GPUs 2×8 -> 4×8")
 
 
 # --- guards --------------------------------------------------------------------------------------------------------

@@ -80,11 +80,26 @@ def _keys(node, prefix=""):
             yield from _keys(v, f"{prefix}{k}.")
 
 
+def test_the_fully_reshardable_switch_reaches_verls_engine_config_with_both_entry_points():
+    """``+respo_verl=fully_reshardable`` (configs/respo_verl/fully_reshardable.yaml) on a preset: verl's engine config
+    takes it, with either entry point, and nothing else of the job changes."""
+    for entry, choice in (("respo", "algorithm=respo"), ("verl", "+algorithm=respo")):
+        plain = compose([choice, "+cluster=qwen3_30b_a3b_h100_2x8"], entry=entry)
+        switched = compose([choice, "+cluster=qwen3_30b_a3b_h100_2x8", "+respo_verl=fully_reshardable"], entry=entry)
+        check_job(switched)
+        engine = omega_conf_to_dataclass(switched.actor_rollout_ref.actor.megatron)
+        assert engine.dist_ckpt_optim_fully_reshardable and engine.distrib_optim_fully_reshardable_mem_efficient
+        assert not omega_conf_to_dataclass(plain.actor_rollout_ref.actor.megatron).dist_ckpt_optim_fully_reshardable
+        for key in ("dist_ckpt_optim_fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient"):
+            OmegaConf.update(switched, f"actor_rollout_ref.actor.megatron.{key}", False)
+        assert OmegaConf.to_container(switched, resolve=True) == OmegaConf.to_container(plain, resolve=True)
+
+
 @pytest.mark.parametrize(
     "path",
     sorted((CONF / "cluster").glob("*.yaml"))
     + sorted((CONF / "respo_verl").glob("qwen3*.yaml"))
-    + [CONF / "respo_verl" / "protocol.yaml"],
+    + [CONF / "respo_verl" / "protocol.yaml", CONF / "respo_verl" / "fully_reshardable.yaml"],
     ids=lambda p: p.stem,
 )
 def test_presets_leave_algorithm_keys_alone(path):
