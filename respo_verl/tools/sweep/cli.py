@@ -17,7 +17,7 @@ from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_R
 from respo_verl.routing.mode import REPLAY_MODES
 from respo_verl.tools.runs.manifest import write_manifest
 from respo_verl.tools.runs.options import reuse_list, seed_list, split_overrides
-from respo_verl.tools.sweep.grid import REPORT_LOGGER, VERL_LOGGERS, SweepSpec, expand
+from respo_verl.tools.sweep.grid import REPORT_LOGGER, VERL_LOGGERS, SweepSpec, expand_with_gpus
 from respo_verl.tools.sweep.local import SweepBusy, folder_lock, run_locally, summary
 from respo_verl.tools.sweep.rayjobs import run_on_ray
 from respo_verl.tools.sweep.runner import (
@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--slurm", action="store_true", help="submit the incomplete runs as one Slurm job array, "
                       "each task one run through scripts/launch/slurm/respo_verl.sbatch, and wait for it")  # fmt: skip
     p.add_argument("--max-running", type=int, default=None, metavar="K",
-                   help="with --slurm: at most K runs at once (the array's %%K)")  # fmt: skip
+                   help="with --slurm or --ray: at most K runs at once (--slurm: the array's %%K; --ray: fewer than "
+                   "the cluster's GPUs hold)")  # fmt: skip
     p.add_argument("--sbatch", default="", metavar="OPTIONS",
                    help='with --slurm: further sbatch options, one string ("--nodes=2 --time=24:00:00")')  # fmt: skip
     p.add_argument("--no-wait", action="store_true", help="with --ray: submit and return, without waiting")
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
             checkpoints=args.checkpoints,
             loggers=args.logger,
         )
-        records = expand(spec, compose=not args.no_compose)
+        records, gpus = expand_with_gpus(spec, compose=not args.no_compose)
     except ValueError as exc:  # bad settings (SweepSpec), or a run that does not compose or pass check_job
         return _error(str(exc))
     try:
@@ -157,14 +158,23 @@ def main(argv: list[str]) -> int:
         return _error(str(exc))
     except OSError as exc:
         return _error(f"--out {args.out}: cannot move the files of the runs that differ ({exc})")
-    if (args.max_running is not None or args.sbatch) and not args.slurm:
-        return _error("--max-running and --sbatch go with --slurm")
+    if args.sbatch and not args.slurm:
+        return _error("--sbatch goes with --slurm")
+    if args.max_running is not None and not (args.slurm or args.ray):
+        return _error("--max-running goes with --slurm or --ray (a sweep run here runs one run at a time)")
     if args.max_running is not None and args.max_running < 1:
         return _error(f"--max-running must be at least 1 (got {args.max_running})")
     if args.no_wait and not args.ray:
         return _error("--no-wait goes with --ray (a sweep run here runs its runs one after another)")
     client = None
     if args.ray:
+        unknown = [name for name, slots in gpus.items() if slots is None]
+        if unknown:
+            return _error(
+                f"--ray --no-compose: the sweep cannot tell how many GPU slots run {unknown[0]} takes, so it cannot "
+                "keep the cluster from overfilling; give trainer.nnodes=... trainer.n_gpus_per_node=... after --, "
+                "or leave out --no-compose"
+            )
         try:
             client = connect(args.ray)
         except ClusterError as exc:
@@ -181,12 +191,12 @@ def main(argv: list[str]) -> int:
         return 0
     if args.ray:
         try:
-            outcomes = run_on_ray(records, args.out, client, wait=not args.no_wait)
+            outcomes = run_on_ray(records, gpus, args.out, client, args.max_running, wait=not args.no_wait)
         except ClusterError as exc:  # e.g. a head whose job agent never came up
             return _error(str(exc))
         except KeyboardInterrupt:
-            print("respo-verl sweep: stopped waiting; the jobs go on (the same command waits for them again)",
-                  file=sys.stderr)  # fmt: skip
+            print("respo-verl sweep: stopped waiting; the jobs go on (the same command waits for them again and "
+                  "submits the runs still waiting)", file=sys.stderr)  # fmt: skip
             return INTERRUPTED
         print(f"manifest: {manifest}")
         if not args.no_wait:

@@ -300,8 +300,51 @@ def _job_of(spec: SweepSpec, algorithm: str, reuse: int, composed: dict[str, tup
     return job
 
 
+# The GPU slots of a run: verl's V1 trainer asks Ray for one resource pool of nnodes x n_gpus_per_node GPUs, and one
+# more of each size where the reward model or a distillation teacher has a pool of its own (trainer_base.py,
+# ``init_resource_pool_mgr``). With --no-compose only the shared overrides say it, and only the trainer's pool.
+GPU_POOLS = (
+    ("trainer", None),
+    ("reward.reward_model", "reward.reward_model.enable_resource_pool"),
+    ("distillation", "distillation.enabled"),
+)
+
+
+def job_gpus(job) -> int:
+    """The GPU slots a run of the composed ``job`` takes on its Ray cluster (:data:`GPU_POOLS`)."""
+    from omegaconf import OmegaConf
+
+    total = 0
+    for pool, switch in GPU_POOLS:
+        if switch is not None and not OmegaConf.select(job, switch, default=False):
+            continue
+        total += int(OmegaConf.select(job, f"{pool}.nnodes")) * int(OmegaConf.select(job, f"{pool}.n_gpus_per_node"))
+    return total
+
+
+def overrides_gpus(overrides: Sequence[str]) -> int | None:
+    """The GPU slots of a run from ``trainer.nnodes=`` and ``trainer.n_gpus_per_node=`` among ``overrides`` (the last
+    of each), or None when one of them is missing; ValueError naming an override whose value is not a whole number
+    of at least 1."""
+    values = {}
+    for key in ("trainer.nnodes", "trainer.n_gpus_per_node"):
+        given = [o.split("=", 1)[1] for o in overrides if _key(o) == key and "=" in o and not o.startswith("~")]
+        if not given:
+            return None
+        if not given[-1].isdigit() or int(given[-1]) < 1:
+            raise ValueError(f"{key}={given[-1]}: a run needs a whole number of at least 1 there")
+        values[key] = int(given[-1])
+    return values["trainer.nnodes"] * values["trainer.n_gpus_per_node"]
+
+
 def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
-    """One :class:`RunRecord` per grid point.
+    """One :class:`RunRecord` per grid point (:func:`expand_with_gpus` without the GPU slots)."""
+    return expand_with_gpus(spec, compose)[0]
+
+
+def expand_with_gpus(spec: SweepSpec, compose: bool = True) -> tuple[list[RunRecord], dict[str, int | None]]:
+    """One :class:`RunRecord` per grid point, and the GPU slots each run takes by its name: :func:`job_gpus` of its
+    composed job, or without ``compose`` :func:`overrides_gpus` of the shared overrides (None where they do not say).
 
     With ``compose``, the job of every distinct configuration (one per algorithm and N: seeds differ only in the
     per-run keys, which the hash leaves out) is composed as its entry point composes it, checked with
@@ -316,14 +359,15 @@ def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
 
     from respo_verl.run.jobcheck import check_job
 
-    records = []
+    records, gpus = [], {}
+    shared_gpus = None if compose else overrides_gpus(spec.base_overrides)
     versions = _versions()
     logs_dir = spec.out_dir / "logs"
     composed: dict[str, tuple[int, object]] = {}
     for algorithm in spec.algorithms:
         engine = engine_of_overrides(spec.base_overrides)
         for reuse in spec.reuse:
-            digest = ""
+            digest, slots = "", shared_gpus
             first = run_name(spec, algorithm, reuse, spec.seeds[0])
             if compose:
                 try:
@@ -334,7 +378,7 @@ def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
                     check_job(job)
                 except ValueError as exc:
                     raise SweepError(f"run {first}: {exc}") from None
-                digest = config_hash(job)
+                digest, slots = config_hash(job), job_gpus(job)
                 engine = OmegaConf.select(job, "model_engine", default=None)
             if engine is not None:
                 try:
@@ -361,4 +405,5 @@ def expand(spec: SweepSpec, compose: bool = True) -> list[RunRecord]:
                         versions=versions,
                     )
                 )
-    return records
+                gpus[name] = slots
+    return records, gpus

@@ -1,6 +1,13 @@
 """The Ray executor of ``respo-verl sweep --ray ADDRESS``: each incomplete run as one Ray job, through Ray's Job
 Submission SDK (``ray.job_submission.JobSubmissionClient``; the address is the cluster's dashboard).
 
+The sweep never overfills the cluster: a run is submitted only while its GPU slots (``grid.job_gpus``: verl's
+``trainer.nnodes x trainer.n_gpus_per_node``) fit in the cluster's GPUs less those of every running or pending job of a
+respo-verl sweep (each job carries its slots in its metadata, so two sweeps sharing a cluster count each other's), and
+while fewer than ``--max-running K`` runs of this sweep are. The others wait in the manifest's order and are submitted
+as runs end; ``--no-wait`` submits those that fit and leaves the rest to the same command run again. verl checks at
+its start that the cluster has its GPUs free and stops otherwise; a job that is not a sweep's is not counted.
+
 A job's entrypoint is the run's manifest line with its environment in front (``runner.shell_line``), not a job
 ``runtime_env``: verl's driver calls ``ray.init`` with a runtime env that carries its own ``VERL_*`` variables, and
 Ray refuses to merge a job's runtime env holding the same keys. Submission ids, waiting, reports and logs:
@@ -21,6 +28,7 @@ from respo_verl.tools.sweep.runner import ClusterError, Outcome, Status, ended_o
 
 RUN_KEY = "respo_verl_run"  # job metadata: the run's name
 OUT_KEY = "respo_verl_out"  # job metadata: the sweep's folder (resolved), so sweeps sharing a cluster stay apart
+GPUS_KEY = "respo_verl_gpus"  # job metadata: the GPU slots the run takes, counted by every sweep on the cluster
 ACTIVE = ("PENDING", "RUNNING")
 POLL_S = 5.0
 # A head that has just started answers on its dashboard before its job agent is up, and refuses a submission with
@@ -56,46 +64,118 @@ def submission_id(record: RunRecord, out_dir: Path, attempt: int) -> str:
     return f"{record.name}-{digest}-{attempt}"
 
 
-def submit_runs(records: list[RunRecord], out_dir: Path, client) -> tuple[list[Outcome], dict[str, str]]:
-    """Submit every incomplete run without a PENDING/RUNNING job of this folder.
+def cluster_gpus(client) -> int:
+    """The GPUs of the cluster's alive nodes (Ray's ``GPU`` resource; on a CPU cluster the fake slots its nodes
+    were started with), through Ray's state API on the dashboard the client talks to."""
+    from ray.util.state import list_nodes
 
-    Returns the outcomes (skipped, submitted, or already submitted) and the job id each run is waited on by.
+    try:
+        nodes = list_nodes(address=client.get_address(), filters=[("state", "=", "ALIVE")], detail=True)
+    except Exception as exc:  # the state API's RayStateApiException, a dashboard that went away
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ClusterError(f"cannot read the GPUs of the Ray cluster at {client.get_address()}: {cause}") from None
+    return int(sum((node.resources_total or {}).get("GPU", 0) for node in nodes))
+
+
+def gpus_taken(client) -> int:
+    """The GPU slots of the cluster's PENDING and RUNNING jobs of any respo-verl sweep (their :data:`GPUS_KEY`)."""
+    return sum(int((job.metadata or {}).get(GPUS_KEY, 0)) for job in client.list_jobs() if _status(job) in ACTIVE)
+
+
+class RaySweep:
+    """The runs of one sweep on a Ray cluster: which wait, which run as which job, and the submission of the
+    waiting ones while their GPU slots fit (see the module docstring).
+
+    Args:
+        records: the sweep's runs, in the manifest's order (the order waiting runs are submitted in).
+        gpus: the GPU slots of each run, by name.
+        out_dir: the sweep's folder.
+        client: Ray's JobSubmissionClient (or one with its methods).
+        max_running: at most this many runs of this sweep at once (``--max-running``), or None.
     """
-    existing = jobs_of_sweep(client, out_dir)
-    outcomes, job_ids = [], {}
-    for record in records:
-        jobs = existing.get(record.name, [])
-        active = [j for j in jobs if _status(j) in ACTIVE]
-        if is_complete(record, out_dir):
-            outcomes.append(Outcome(record.name, Status.SKIPPED, "skipped: log complete"))
-            continue
-        if active:
-            job = active[-1]
-            job_ids[record.name] = job.submission_id
-            outcomes.append(
-                Outcome(record.name, Status.SUBMITTED, f"already {_status(job)} as job {job.submission_id}")
+
+    def __init__(self, records: list[RunRecord], gpus: dict[str, int], out_dir: Path, client, max_running=None):
+        self.records, self.gpus, self.out_dir, self.client = records, gpus, out_dir, client
+        self.max_running = max_running
+        self.job_ids: dict[str, str] = {}  # the runs submitted or found active: the job each is waited on by
+        self.waiting: list[RunRecord] = []
+        self.capacity = 0
+
+    def find(self) -> list[Outcome]:
+        """Sort the runs: complete (skipped), with a PENDING/RUNNING job of this folder (waited on), or waiting.
+
+        Raises :class:`ClusterError` when a waiting run needs more GPU slots than the whole cluster has.
+        """
+        existing = jobs_of_sweep(self.client, self.out_dir)
+        outcomes = []
+        for record in self.records:
+            active = [j for j in existing.get(record.name, []) if _status(j) in ACTIVE]
+            if is_complete(record, self.out_dir):
+                outcomes.append(Outcome(record.name, Status.SKIPPED, "skipped: log complete"))
+            elif active:
+                job = active[-1]
+                self.job_ids[record.name] = job.submission_id
+                line = f"already {_status(job)} as job {job.submission_id}"
+                outcomes.append(Outcome(record.name, Status.SUBMITTED, line))
+            else:
+                self.waiting.append(record)
+        self._check_fits()
+        return outcomes
+
+    def _check_fits(self) -> None:
+        """Raise :class:`ClusterError` when a waiting run needs more GPU slots than the whole cluster has (read
+        now): it would wait for ever."""
+        self.capacity = cluster_gpus(self.client)
+        too_big = [r for r in self.waiting if self.gpus[r.name] > self.capacity]
+        if too_big:
+            more = f" (and {len(too_big) - 1} more runs)" if len(too_big) > 1 else ""
+            raise ClusterError(
+                f"run {too_big[0].name}{more} needs {self.gpus[too_big[0].name]} GPU slots (trainer.nnodes x "
+                f"trainer.n_gpus_per_node), but the Ray cluster at {self.client.get_address()} has {self.capacity}: "
+                "choose a preset for this cluster"
             )
-            continue
+
+    def submit_fitting(self) -> list[Outcome]:
+        """Submit waiting runs, in order, while the next one's GPU slots fit and ``max_running`` allows (both
+        counted from the cluster's jobs as they are now)."""
+        if not self.waiting:
+            return []
+        self._check_fits()
+        taken = gpus_taken(self.client)
+        running = sum(_status(j) in ACTIVE for jobs in jobs_of_sweep(self.client, self.out_dir).values() for j in jobs)
+        outcomes = []
+        while self.waiting:
+            need = self.gpus[self.waiting[0].name]
+            if (self.max_running is not None and running >= self.max_running) or taken + need > self.capacity:
+                break
+            outcomes.append(self._submit_run(self.waiting.pop(0)))
+            taken, running = taken + need, running + 1
+        return outcomes
+
+    def _submit_run(self, record: RunRecord) -> Outcome:
         # The job's file logger appends to <out>/logs/<run>.jsonl: its folder exists before the job starts, on a
         # fresh --out too (the logger also makes it, on whichever node the driver runs).
-        output_path(record, out_dir).parent.mkdir(parents=True, exist_ok=True)
-        wanted = submission_id(record, out_dir, len(jobs) + 1)
+        output_path(record, self.out_dir).parent.mkdir(parents=True, exist_ok=True)
+        attempts = len(jobs_of_sweep(self.client, self.out_dir).get(record.name, []))
+        wanted = submission_id(record, self.out_dir, attempts + 1)
+        metadata = {RUN_KEY: record.name, OUT_KEY: _folder(self.out_dir), GPUS_KEY: str(self.gpus[record.name])}
         try:
-            job_id = _submit(
-                client,
-                entrypoint=shell_line(record),
-                submission_id=wanted,
-                metadata={RUN_KEY: record.name, OUT_KEY: _folder(out_dir)},
-            )
+            job_id = _submit(self.client, entrypoint=shell_line(record), submission_id=wanted, metadata=metadata)
         except RuntimeError as exc:  # the submission id exists: another sweep submitted this attempt just now
             if "already exists" not in str(exc):
                 raise
-            job_id = wanted
-            outcomes.append(Outcome(record.name, Status.SUBMITTED, f"already submitted as job {job_id}"))
-        else:
-            outcomes.append(Outcome(record.name, Status.SUBMITTED, f"submitted as job {job_id}"))
-        job_ids[record.name] = job_id
-    return outcomes, job_ids
+            self.job_ids[record.name] = wanted
+            return Outcome(record.name, Status.SUBMITTED, f"already submitted as job {wanted}")
+        self.job_ids[record.name] = job_id
+        return Outcome(record.name, Status.SUBMITTED, f"submitted as job {job_id}")
+
+    def waiting_outcomes(self) -> list[Outcome]:
+        """The runs left waiting, for ``--no-wait``."""
+        line = (
+            f"waiting: its {{gpus}} GPU slots are not free ({gpus_taken(self.client)} of the cluster's {self.capacity} "
+            "are taken by sweeps' jobs) or --max-running is reached; the same command submits it once a run has ended"
+        )
+        return [Outcome(r.name, Status.WAITING, line.format(gpus=self.gpus[r.name])) for r in self.waiting]
 
 
 def _submit(client, wait_s: float = AGENT_WAIT_S, **job) -> str:
@@ -127,17 +207,19 @@ def _save_output(client, record: RunRecord, out_dir: Path, job_id: str) -> tuple
     return path, text
 
 
-def wait_for_runs(
-    records: list[RunRecord], out_dir: Path, client, job_ids: dict[str, str], stream=None, interactive=None
-) -> list[Outcome]:
-    """Wait for the jobs of ``job_ids`` with a progress line; one outcome per run of ``records``."""
+def wait_for_runs(sweep: RaySweep, stream=None, interactive=None) -> list[Outcome]:
+    """Wait for the sweep's jobs with a progress line, submitting waiting runs as GPU slots free up; one outcome per
+    run of ``sweep.records``."""
+    records, out_dir, client = sweep.records, sweep.out_dir, sweep.client
     by_name = {r.name: r for r in records}
     progress = SweepProgress(records, sum(logged_steps(r, out_dir) for r in records), stream, interactive)
     ended: dict[str, Outcome] = {}
     try:
         while True:
+            for outcome in sweep.submit_fitting():
+                progress.write(f"{outcome.name}: {outcome.line}")
             running = []
-            for name, job_id in job_ids.items():
+            for name, job_id in list(sweep.job_ids.items()):
                 if name in ended:
                     continue
                 record, job = by_name[name], client.get_job_info(job_id)
@@ -156,14 +238,15 @@ def wait_for_runs(
                     progress.write(failure_report(record, how, logged, text, output, source))
                     progress.drop(record.last_log_step - logged)
             done = sum(o.status is Status.RAN for o in ended.values()) + sum(
-                is_complete(r, out_dir) for r in records if r.name not in job_ids
+                is_complete(r, out_dir) for r in records if r.name not in sweep.job_ids
             )
             failed = sum(o.status is Status.FAILED for o in ended.values())
-            desc = f"{done} done, {len(running)} running, {failed} failed of {len(records)} runs"
+            desc = f"{done} done, {len(running)} running, {len(sweep.waiting)} waiting, {failed} failed of "
+            desc += f"{len(records)} runs"
             if running:
                 desc += f" ({'; '.join(running)})"
             progress.show(desc, sum(logged_steps(r, out_dir) for r in records))
-            if len(ended) == len(job_ids):
+            if len(ended) == len(sweep.job_ids) and not sweep.waiting:
                 break
             time.sleep(POLL_S)
     finally:
@@ -171,11 +254,27 @@ def wait_for_runs(
     return ended_outcomes(records, ended, out_dir)
 
 
-def run_on_ray(records: list[RunRecord], out_dir: Path, client, wait: bool = True, echo=print) -> list[Outcome]:
-    """Submit the sweep's incomplete runs and, with ``wait``, wait for them (see the module docstring)."""
-    submitted, job_ids = submit_runs(records, out_dir, client)
-    for outcome in submitted:
+def run_on_ray(
+    records: list[RunRecord],
+    gpus: dict[str, int],
+    out_dir: Path,
+    client,
+    max_running: int | None = None,
+    wait: bool = True,
+    echo=print,
+) -> list[Outcome]:
+    """Submit the sweep's incomplete runs that fit on the cluster and, with ``wait``, wait for them and submit the
+    others as runs end (see the module docstring).
+
+    Raises:
+        ClusterError: a run needs more GPU slots than the cluster has, or the cluster cannot be read.
+    """
+    sweep = RaySweep(records, gpus, out_dir, client, max_running)
+    found = sweep.find()
+    submitted = sweep.submit_fitting()
+    left = [] if wait else sweep.waiting_outcomes()
+    for outcome in [*found, *submitted, *left]:
         echo(f"{outcome.name}: {outcome.line}")
     if not wait:
-        return submitted
-    return wait_for_runs(records, out_dir, client, job_ids)
+        return [*found, *submitted, *left]
+    return wait_for_runs(sweep)

@@ -37,6 +37,7 @@ class Status(enum.Enum):
     RAN = "ran"
     FAILED = "failed"
     SUBMITTED = "submitted"
+    WAITING = "waiting"  # not submitted: the cluster's GPU slots were taken (``--ray --no-wait``)
     INTERRUPTED = "interrupted"  # the sweep was interrupted while the run ran; the same command resumes it
 
 

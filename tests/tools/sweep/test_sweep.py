@@ -151,7 +151,7 @@ def test_an_unreachable_ray_address_is_one_line_and_exit_2(tmp_path, capsys, sch
     address = f"{scheme}127.0.0.1:{free_port()}"  # nothing listens: refused at once
     argv = ["sweep", "--ray", address, "--no-compose", "--out", str(tmp_path), "--algos", "respo", "--reuse", "8"]
     start = time.monotonic()
-    assert cli_main([*argv, "--seeds", "0"]) == 2
+    assert cli_main([*argv, "--seeds", "0", "--", "trainer.nnodes=1", "trainer.n_gpus_per_node=1"]) == 2
     assert time.monotonic() - start < 10  # the probe, not Ray's 40 s of GCS retries
     err = capsys.readouterr().err
     assert err.strip() == f"respo-verl sweep: cannot reach the Ray cluster at {address}: Connection refused"

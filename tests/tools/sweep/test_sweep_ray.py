@@ -12,6 +12,10 @@ One grid of two runs, ReSPO and VESPO at N = 2 (2 steps each, 6 s and a minute l
 tests: submitted with ``--no-wait``, submitted again at once with ``--no-wait`` (nothing is duplicated), then a
 third sweep waits for the jobs while the test stops VESPO's job through the SDK: ReSPO's job succeeds, VESPO's is
 reported with its job id and the tail of its ``ray job logs``.
+
+Then, on the same head (2 GPU slots), the sweep never overfills the cluster: three runs of one slot each, whose
+stand-in (tests/tools/sweep/standin_gpu/standin_gpu_run.py) holds its slot in a placement group as verl holds its
+pool, all finish, at most two at once and two at once at least once, counted from the jobs' own start and end times.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from support.ray_head import ray_head
 from support.standin_sweep import STANDIN_PATH, STANDIN_SWEEP
 
 from respo_verl.tools.runs.logs import read_log
-from respo_verl.tools.sweep.rayjobs import OUT_KEY
+from respo_verl.tools.sweep.rayjobs import GPUS_KEY, OUT_KEY, RUN_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +39,13 @@ RESPO, VESPO = "cpu-respo-n2-s0", "cpu-vespo-n2-s0"
 STEPS = 2
 TIMEOUT_S = 300
 STARTED = "standin: {name} starts"
+GPU_STANDIN_PATH = str(Path(__file__).resolve().parent / "standin_gpu")
+# The sweep of tests/support/standin_sweep.py with the stand-in that holds its GPU slots as its runs' module.
+GPU_SWEEP = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); import standin_sweep; "
+    "standin_sweep.MODULE = 'standin_gpu_run'; sys.exit(standin_sweep.main(sys.argv[1:]))"
+)
+ONE_SLOT = ("trainer.nnodes=1", "trainer.n_gpus_per_node=1")  # each run's GPU slots, which --no-compose cannot compose
 
 
 def _env() -> dict[str, str]:
@@ -42,7 +53,7 @@ def _env() -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
     # a job's `python` is the one on the cluster's PATH (this environment's), and the stand-in is on its PYTHONPATH
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN_PATH, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN_PATH, GPU_STANDIN_PATH, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -56,7 +67,8 @@ def _argv(address: str, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, STANDIN_SWEEP, "--ray", address, *extra, "--out", str(out),
         "--model", "cpu", "--algos", "respo,vespo", "--reuse", "2", "--seeds", "0", "--mini-batch", "2",
-        "--optimizer-steps", str(2 * STEPS), "--no-compose", "--", "+standin.step_s=6", f"+standin.slow={VESPO}@60",
+        "--optimizer-steps", str(2 * STEPS), "--no-compose", "--", *ONE_SLOT, "+standin.step_s=6",
+        f"+standin.slow={VESPO}@60",
     ]  # fmt: skip
 
 
@@ -154,5 +166,37 @@ def test_progress_shows_runs_done_running_failed_and_the_running_steps(sweep):
     lines = [line for line in sweep["wait"].splitlines() if " running, " in line]
     assert any(f"({RESPO} step " in line for line in lines), sweep["wait"][-3000:]
     # the steps the stopped run will not make are left out of the sweep's total: nothing is left
-    assert lines[-1].startswith("1 done, 0 running, 1 failed of 2 runs | 2 of 2 steps of the sweep | ")
+    assert lines[-1].startswith("1 done, 0 running, 0 waiting, 1 failed of 2 runs | 2 of 2 steps of the sweep | ")
     assert lines[-1].endswith("~00:00 left"), lines[-1]
+
+
+def _most_at_once(spans: list[tuple[int, int]]) -> int:
+    """The most of the (start, end) spans that overlap at one moment (an end before a start at the same time)."""
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, change in events:
+        now += change
+        most = max(most, now)
+    return most
+
+
+def test_a_sweep_runs_at_most_as_many_runs_at_once_as_the_clusters_gpus_hold(head, tmp_path):
+    from ray.job_submission import JobSubmissionClient
+
+    out = tmp_path / "out"
+    argv = [
+        sys.executable, "-c", GPU_SWEEP, str(Path(STANDIN_SWEEP).parent), "--ray", head, "--out", str(out),
+        "--model", "gpu", "--algos", "respo", "--reuse", "2", "--seeds", "0,1,2", "--mini-batch", "2",
+        "--optimizer-steps", str(2 * STEPS), "--no-compose", "--", *ONE_SLOT, "+standin.step_s=4",
+    ]  # fmt: skip
+    done = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    assert text.rstrip().splitlines()[-1] == "3 done", text[-3000:]
+    jobs = list(_jobs(JobSubmissionClient(head), out).values())
+    assert sorted(j.metadata[RUN_KEY] for j in jobs) == [f"gpu-respo-n2-s{seed}" for seed in range(3)]
+    assert {str(j.status.value) for j in jobs} == {"SUCCEEDED"} and {j.metadata[GPUS_KEY] for j in jobs} == {"1"}
+    assert _most_at_once([(j.start_time, j.end_time) for j in jobs]) == 2, [(j.start_time, j.end_time) for j in jobs]
+    # the third run waited, and the sweep said so
+    assert any(" running, 1 waiting, " in line for line in text.splitlines()), text[-3000:]
+    assert "gpu-respo-n2-s2: submitted as job" in text
