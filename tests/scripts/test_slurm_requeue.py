@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.local_slurm import LocalSlurm, free_port_block, start_or_skip
+from support.local_slurm import LocalSlurm, free_port_block, start_or_skip, time_limit_past_notice
 from support.procs import naming, wait_gone
 
 # Slurm jobs of the template (5-20 s each)
@@ -71,8 +71,10 @@ def _submit(slurm: LocalSlurm, case: Path, run_ends: str, **env: str) -> tuple[s
         "DRY_RUN": "1",  # ray_cluster.sh prints each node's ray start instead of running it
         **env,
     }
-    # the template's own resources but for the GPUs: a node of the local Slurm has one (NUM_GPUS stays 8: Ray's)
-    job = slurm.sbatch("--gpus-per-node=1", "--time=5", f"--output={out}", str(SBATCH), env=full, cwd=ROOT)
+    # the template's own resources but for the GPUs: a node of the local Slurm has one (NUM_GPUS stays 8: Ray's); a
+    # time limit past the template's notice, which is the test's to send
+    limit = time_limit_past_notice(SBATCH)
+    job = slurm.sbatch("--gpus-per-node=1", limit, f"--output={out}", str(SBATCH), env=full, cwd=ROOT)
     return job, out, run_log
 
 
