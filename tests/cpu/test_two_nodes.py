@@ -12,13 +12,14 @@ On that cluster: the node preflight refuses a checkpoint root that only the head
 path (no verl driver: the preflight itself, as the driver runs it before the TaskRunner); then one Megatron R3 run
 with verl's vLLM server, one rank and one server per node, expert parallel 2 across the nodes (gloo between the two
 addresses), submitted by ``respo-verl sweep --ray`` into a fresh ``--out``, its TaskRunner on the worker. After its
-log holds step 3, the worker's raylet and its process tree are SIGKILLed: the run stops in one line naming the node,
-its roles and the step. The worker comes back and the same run, its TaskRunner now on the head, resumes from its
+trainer generates step 4, the worker's raylet and its process tree are SIGKILLed: the run stops in one line naming the
+node, its roles and the step. The worker comes back and the same run, its TaskRunner now on the head, resumes from its
 checkpoint of step 2; the worker is SIGKILLed again while the update of step 3 runs, and the driver's look at the
-cluster stops the run within a minute, the trainer waiting on the lost rank. The worker comes back once more and the
-same sweep, run again unchanged, resubmits the run: it resumes from step 2 and its step 3 equals the lost run's step
-3 to the last bit (verl's full determinism), but for vLLM's own log-probs of the same tokens, which a fresh engine
-repeats to about 1e-9 only. After each loss no process of the job is left on either node. Three verl drivers.
+cluster stops the run within a minute, the trainer waiting on the lost rank. The same once more, the worker lost
+while step 3 generates, the trainer waiting on the lost rollout server. The worker comes back once more and the same
+sweep, run again unchanged, resubmits the run: it resumes from step 2 and its step 3 equals the lost run's step 3 to
+the last bit (verl's full determinism), but for vLLM's own log-probs of the same tokens, which a fresh engine repeats
+to about 1e-9 only. After each loss no process of the job is left on either node. Four verl drivers.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from support.trainer_checks import RESPO_KEYS, assert_trains, assert_weights_syn
 from respo_verl.run.checkpoint import TRACKER
 from respo_verl.run.nodes import MARKER, SharedFolders, unseen
 from respo_verl.run.reaper import reap
-from respo_verl.run.stops import ACTOR_ROLES, EXIT_ACTOR_DIED
+from respo_verl.run.roles import PROCESS_TITLES
+from respo_verl.run.stops import EXIT_ACTOR_DIED
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/launch/ray_cluster.sh"
@@ -61,6 +63,7 @@ NODE_PORTS = (
 START_S = 180  # a node's start on a busy 2-core machine
 TRAINER_RESOURCE = "trainer_node"  # a custom resource of the worker only: the job's TaskRunner runs there
 HEAD_RESOURCE = "head_node"  # a custom resource of the head only: the resubmitted job's TaskRunner runs there
+ON_HEAD_PHASES = ("update", "generation")  # the phases in which the runs with their TaskRunner on the head are lost
 
 
 def _ports(*names: str) -> list[str]:
@@ -239,9 +242,6 @@ TWO_NODE_JOB = (
     # The TaskRunner on the worker, the driver (a Ray job's) on the head: the watchdog and the stop request cross.
     f"+ray_kwargs.task_runner_resources={{{TRAINER_RESOURCE}:1}}",
 )
-# Every role of a job is an actor process, titled ``ray::<class>`` by Ray (the classes of the one table of roles), and
-# vLLM's engine core a process of its server: none may be left on either node once the job has ended.
-ROLE_TITLES = re.compile(rf"(ray::\w*({'|'.join(end for end, _ in ACTOR_ROLES)})\b|VLLM::EngineCore)")
 _UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/")
 # The route-drift engine's keys of both passes (docs/routing-replay.md).
 DRIFT = ("flip_frac", "overlap", "prob_mass_delta", "any_layer_flip_frac", "replayed_tokens")
@@ -275,12 +275,12 @@ def _ray_python(cluster: TwoNodes, code: str) -> str:
 
 def _job_processes(cluster: TwoNodes) -> list[str]:
     """The processes of the cluster's jobs on either node, orphans included: every process of this host whose title is
-    an actor role's (:data:`ROLE_TITLES`) and whose environment holds the cluster's Ray temp dir (each node's
+    an actor role's (:data:`PROCESS_TITLES`) and whose environment holds the cluster's Ray temp dir (each node's
     processes inherit it from their raylet, a vLLM engine core from its server)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         line = " ".join(proc.info["cmdline"] or ())
-        if not ROLE_TITLES.match(line):
+        if not PROCESS_TITLES.match(line):
             continue
         try:
             if proc.environ().get("RAY_TMPDIR") == cluster.temp:
@@ -364,10 +364,11 @@ def lost_and_resumed(cluster):
     2. the node back, the same run submitted as a Ray job with its TaskRunner on the head (nothing else differs:
        ``ray_kwargs`` is no part of the run's identity); it resumes from step 2, and the worker is lost again while
        the update of step 3 runs, the trainer waiting on the lost rank;
-    3. the node back, the same sweep again, unchanged: it resumes from step 2, and its driver gets SIGTERM.
+    3. the same as 2, the worker lost while step 3 generates, the trainer waiting on the lost rollout server;
+    4. the node back, the same sweep again, unchanged: it resumes from step 2, and its driver gets SIGTERM.
     """
     from respo_verl.tools.runs.manifest import MANIFEST_NAME, read_manifest
-    from respo_verl.tools.sweep.runner import connect, shell_line
+    from respo_verl.tools.sweep.runner import connect
 
     out = cluster.root / "sweep"  # fresh: the sweep makes its folders, the job's logger its log's
     log = out / "logs" / f"{RUN}.jsonl"
@@ -408,38 +409,21 @@ def lost_and_resumed(cluster):
     result["leftovers"] = _job_processes(cluster)
     result["lost_lines"] = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     result["lost_out"] = (out / "logs" / f"{RUN}.out").read_text(errors="replace")
-    # 2. The node comes back; the run's manifest line, its TaskRunner on the head, as a Ray job of its own.
-    cluster.start_worker()
+    # 2. The node comes back; the run's manifest line, its TaskRunner on the head, as a Ray job of its own, which
+    # loses the worker in the update of step 3; 3. the same once more, lost in the generation of step 3.
     (record,) = read_manifest(out / MANIFEST_NAME)
     on_head = [
         f"+ray_kwargs.task_runner_resources={{{HEAD_RESOURCE}:1}}" if "task_runner_resources" in a else a
         for a in record.command
     ]
     assert on_head != record.command, record.command
-    cpu_runs.record_drivers(1, "respo_verl.main_ppo (Ray job, two nodes, its TaskRunner on the head, the node lost)")
-    submitted = client.submit_job(
-        entrypoint=shell_line(dataclasses.replace(record, command=on_head)), submission_id=f"{RUN}-trainer-on-head"
-    )
-    while (job_id := client.get_job_info(submitted).job_id) is None:  # the driver has started
-        assert time.monotonic() < deadline + TIMEOUT_S, client.get_job_logs(submitted)[-3000:]
-        time.sleep(0.5)
-    result["update"], watcher = _wait_for_phase(cluster, job_id, KILL_AFTER_STEP, "update")
-    killed_at, result["update"]["kill_after_s"] = time.time(), time.monotonic() - result["update"]["read_at"]
-    result["killed_in_update"] = cluster.kill_worker()
-    watcher.wait(timeout=120)
-    while client.get_job_info(submitted).end_time is None:
-        assert time.monotonic() < deadline + TIMEOUT_S, client.get_job_logs(submitted)[-3000:]
-        time.sleep(0.5)
-    info = client.get_job_info(submitted)
+    on_head = dataclasses.replace(record, command=on_head)
     result["on_head"] = {
-        "status": str(info.status),
-        "lost_after_s": info.end_time / 1000 - killed_at,
-        "out": client.get_job_logs(submitted),
+        phase: _lose_worker_under_the_head(cluster, client, on_head, phase, deadline + (i + 1) * TIMEOUT_S)
+        for i, phase in enumerate(ON_HEAD_PHASES)
     }
-    time.sleep(5)
-    result["on_head"]["leftovers"] = _job_processes(cluster)
     resumes = log.read_text().count('"event":"resume"')
-    # 3. The node comes back; the same sweep, run again unchanged, resubmits the run. Once the resumed attempt has
+    # 4. The node comes back; the same sweep, run again unchanged, resubmits the run. Once the resumed attempt has
     # started (its log's resume line), its driver on the head gets SIGTERM: the TaskRunner on the worker saves
     # step 3 and ends the run.
     cluster.start_worker()
@@ -449,7 +433,7 @@ def lost_and_resumed(cluster):
             _sweep(cluster, out), env=cluster.client_env(), stdout=fh, stderr=subprocess.STDOUT, cwd=cluster.root
         )
     while again.poll() is None and log.read_text().count('"event":"resume"') == resumes:
-        assert time.monotonic() < deadline + 2 * TIMEOUT_S, (cluster.root / "sweep-2.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline + 3 * TIMEOUT_S, (cluster.root / "sweep-2.txt").read_text()[-3000:]
         time.sleep(0.5)
     driver = _driver(cluster)
     result["driver_on_worker"] = cluster.worker.pid in {p.pid for p in driver.parents()}
@@ -460,6 +444,37 @@ def lost_and_resumed(cluster):
     result["out_text"] = (out / "logs" / f"{RUN}.out").read_text(errors="replace")
     result["tracker"] = (out / "checkpoints" / RUN / TRACKER).read_text().strip()
     return result
+
+
+def _lose_worker_under_the_head(cluster: TwoNodes, client, record, phase: str, deadline: float) -> dict:
+    """The worker back, ``record`` (its TaskRunner on the head) as a Ray job of its own; the worker is lost once the
+    trainer's record names ``phase`` of step 3 or a later one. The job's status, output and leftovers, the record read
+    (``kill_after_s``: from that read to the kill), and seconds from the kill to the job's end."""
+    from respo_verl.tools.sweep.runner import shell_line
+
+    cluster.start_worker()
+    cpu_runs.record_drivers(1, f"respo_verl.main_ppo (Ray job, two nodes, its TaskRunner on the head, lost in {phase})")
+    submitted = client.submit_job(entrypoint=shell_line(record), submission_id=f"{RUN}-trainer-on-head-{phase}")
+    while (job_id := client.get_job_info(submitted).job_id) is None:  # the driver has started
+        assert time.monotonic() < deadline, client.get_job_logs(submitted)[-3000:]
+        time.sleep(0.5)
+    seen, watcher = _wait_for_phase(cluster, job_id, KILL_AFTER_STEP, phase)
+    killed_at, seen["kill_after_s"] = time.time(), time.monotonic() - seen["read_at"]
+    killed = cluster.kill_worker()
+    watcher.wait(timeout=120)
+    while client.get_job_info(submitted).end_time is None:
+        assert time.monotonic() < deadline, client.get_job_logs(submitted)[-3000:]
+        time.sleep(0.5)
+    info = client.get_job_info(submitted)
+    time.sleep(5)  # as above: a leftover would be there for good
+    return {
+        "seen": seen,
+        "killed": killed,
+        "status": str(info.status),
+        "lost_after_s": info.end_time / 1000 - killed_at,
+        "out": client.get_job_logs(submitted),
+        "leftovers": _job_processes(cluster),
+    }
 
 
 def _wait_for_phase(cluster: TwoNodes, job_id: str, step: int, phase: str) -> tuple[dict, subprocess.Popen]:
@@ -523,7 +538,8 @@ def test_ranks_and_vllm_servers_are_placed_one_per_node_and_the_run_says_where(c
         assert {where.get("update worker rank 0"), where.get("update worker rank 1")} == nodes, text
         assert {where.get("rollout server 0"), where.get("rollout server 1")} == nodes, text
         assert where.get("trainer") == WORKER_IP, text  # ray_kwargs.task_runner_resources
-    assert _placement(lost_and_resumed["on_head"]["out"]).get("trainer") == cluster.head_node
+    for run in lost_and_resumed["on_head"].values():
+        assert _placement(run["out"]).get("trainer") == cluster.head_node
 
 
 LOST = (
@@ -562,29 +578,40 @@ def test_a_lost_node_stops_the_run_in_one_line_naming_it_its_roles_and_the_step(
     assert _on_worker(result["lost_out"]) == placed  # the run's own placement lines say the same
 
 
+def _attempts(result: dict) -> list[list[int]]:
+    """The steps each attempt after the lost one logged, in order: the log's lines split at its resume lines."""
+    attempts: list[list[int]] = []
+    for line in result["lines"][len(result["lost_lines"]) :]:
+        if line.get("event") == "resume":
+            attempts.append([])
+        elif "step" in line:
+            attempts[-1].append(line["step"])
+    return attempts
+
+
 @pytest.mark.slow
-def test_a_lost_node_stops_a_trainer_on_the_surviving_node_waiting_in_the_update_within_a_minute(lost_and_resumed):
-    """The TaskRunner on the head survives the worker, killed while the update of step 3 (or a later one) runs: the
-    head's update worker waits on the lost rank, or its collective fails. Either way the run stops, never leaving the
-    update, in the one line naming the node and every role the run placed on the worker, within a minute: the
-    driver's look at the cluster, or the trainer's error for which the driver finds the node lost."""
-    run, update = lost_and_resumed["on_head"], lost_and_resumed["update"]
-    assert update["phase"] == "update" and update["step"] >= KILL_AFTER_STEP, update
-    # the kill came right after the update was read begun (one clock: CLOCK_MONOTONIC is the host's), and the step
+@pytest.mark.parametrize("phase", ON_HEAD_PHASES)
+def test_a_lost_node_stops_a_trainer_on_the_surviving_node_within_a_minute(lost_and_resumed, phase):
+    """The TaskRunner on the head survives the worker, killed while step 3 (or a later one) generates or updates: the
+    head waits on the lost rollout server or rank, or its request or collective fails. Either way the run stops, never
+    leaving the phase, in the one line naming the node and every role the run placed on the worker, within a minute:
+    the driver's look at the cluster, or the trainer's error for which the driver finds the node lost."""
+    run = lost_and_resumed["on_head"][phase]
+    seen = run["seen"]
+    assert seen["phase"] == phase and seen["step"] >= KILL_AFTER_STEP, seen
+    # the kill came right after the phase was read begun (one clock: CLOCK_MONOTONIC is the host's), and the step
     # never ended: no line of it in the log
-    assert update["kill_after_s"] < 1.0, update
-    tail = [line.get("step", line.get("event")) for line in lost_and_resumed["lines"]]
-    tail = tail[len(lost_and_resumed["lost_lines"]) :]
-    this_attempt = tail[1 : tail.index("resume", 1)]  # between its resume line and the next attempt's
-    assert update["step"] not in this_attempt, tail
+    assert seen["kill_after_s"] < 1.0, seen
+    assert seen["step"] not in _attempts(lost_and_resumed)[ON_HEAD_PHASES.index(phase)], _attempts(lost_and_resumed)
     assert run["status"] == "FAILED", run["out"][-3000:]
     assert run["lost_after_s"] < LOST_WITHIN_S, run["lost_after_s"]
     placed = _on_worker(run["out"])
     assert "trainer" not in placed and {r for r in placed if r.startswith("update worker")}, placed
-    lost = LOST.format(step=update["step"])
+    lost = LOST.format(step=seen["step"])
     stopped = cpu_runs.stop_line(run["out"], rf"\(lost node, exit {EXIT_ACTOR_DIED}\): " + lost)
     assert set(stopped.group(1).split(", ")) == placed, (stopped.group(0), placed)
     assert run["leftovers"] == [], run["leftovers"]
+    print(f"{phase}: lost {run['lost_after_s']:.1f} s after the kill: {stopped.group(0)}")
 
 
 @pytest.mark.slow
@@ -610,9 +637,9 @@ def test_the_watchdog_on_the_head_reads_the_phase_record_of_the_trainer_on_the_w
     records = [json.loads(line) for line in cluster.trace.read_text().splitlines()]
     watched = [r for r in records if r.get("watched")]
     trainers = list(dict.fromkeys(r["pid"] for r in records))
-    assert len(trainers) == 3, records  # the TaskRunners of the three attempts
-    killed = lost_and_resumed["update"]["step"]
-    attempts = ((1, 2, 3), tuple(range(KILL_AFTER_STEP, killed + 1)), (KILL_AFTER_STEP,))
+    assert len(trainers) == 2 + len(ON_HEAD_PHASES), records  # the TaskRunners of the attempts
+    killed = [lost_and_resumed["on_head"][phase]["seen"]["step"] for phase in ON_HEAD_PHASES]
+    attempts = ((1, 2, 3), *(tuple(range(KILL_AFTER_STEP, step + 1)) for step in killed), (KILL_AFTER_STEP,))
     for pid, steps in zip(trainers, attempts, strict=True):
         seen = [r for r in watched if r["pid"] == pid]
         assert set(steps) <= {r["step"] for r in seen}, (pid, seen)
@@ -630,10 +657,10 @@ def test_the_resubmitted_run_resumes_and_repeats_the_lost_runs_step(lost_and_res
     lost = [line for line in result["lost_lines"] if "step" in line]
     assert [line["step"] for line in lost] == list(range(1, KILL_AFTER_STEP + 1)), lost
     lines = result["lines"]
-    tail = [line.get("step", line.get("event")) for line in lines[len(result["lost_lines"]) :]]
-    # the attempt lost in the update of step k logged the steps before it, then SIGTERM
-    killed = result["update"]["step"]
-    assert tail == ["resume", *range(KILL_AFTER_STEP, killed), "resume", KILL_AFTER_STEP], tail
+    # each attempt lost in step k logged the steps before it; then SIGTERM in the first step
+    killed = [result["on_head"][phase]["seen"]["step"] for phase in ON_HEAD_PHASES]
+    want_steps = [list(range(KILL_AFTER_STEP, step)) for step in killed]
+    assert _attempts(result) == [*want_steps, [KILL_AFTER_STEP]], _attempts(result)
     resumed = {line["step"]: line["data"] for line in lines[len(result["lost_lines"]) :] if "step" in line}
     want, got = lost[KILL_AFTER_STEP - 1]["data"], resumed[KILL_AFTER_STEP]
     keys = {k for k in want if not any(part in k for part in _UNTIMED)}
