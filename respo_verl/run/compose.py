@@ -2,7 +2,7 @@
 
 The one place that composes job configs: the planner, the sweep, the experiment adapter, the benchmarks and the
 tests all come here. Composing does not import verl: Hydra resolves ``respo_trainer.yaml``'s
-``pkg://verl.trainer.config`` by importing verl (about 8 s), so verl's config folder is found with
+``pkg://verl.trainer.config`` by importing verl, so verl's config folder is found with
 :func:`importlib.util.find_spec`, which does not execute the package, and handed to Hydra as a ``file://`` path; the
 composed job is identical (docs/internals.md, "The planner's start-up time").
 """

@@ -25,10 +25,9 @@ from respo_verl.run.trainer import REGISTRATION as TRAINER
 
 # Long enough for a cold worker process to import torch and verl on a busy node.
 PREFLIGHT_TIMEOUT_S = 300.0
-# The probe asks Ray for no GPU, and Ray releases before the 2026 change of RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO's
-# default (verl allows ray>=2.41) set CUDA_VISIBLE_DEVICES="" in such a task: every node would show 0 GPUs. The probe
-# keeps the node's own CUDA_VISIBLE_DEVICES (the one the raylet started with, which the GPU workers' ids index):
-# the first variable works on every Ray release verl allows, the second on the releases that have it.
+# The probe asks Ray for no GPU, and Ray may then set CUDA_VISIBLE_DEVICES="" in its task (by the default of
+# RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO on the Ray releases verl allows): these keep the node's own, which the GPU
+# workers' ids index.
 PROBE_RUNTIME_ENV = {
     "env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 }
