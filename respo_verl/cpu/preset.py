@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from respo_verl.cpu import ROLLOUT_NAME
 from respo_verl.entry_points import CPU_MODULE
+from respo_verl.layout.parallel import STRATEGY, layout_from_config
 
 PRESET = "+device=cpu"
 MEGATRON_PRESET = "+device=cpu_megatron"
@@ -80,18 +81,24 @@ def check_cpu_job(cfg: Any) -> None:
             f"plugin) with {PRESET}: this value replaces the shell's in every Ray process"
         )
     slots = OmegaConf.select(cfg, "ray_kwargs.ray_init.num_gpus")
-    workers = int(OmegaConf.select(cfg, "trainer.n_gpus_per_node", default=1)) * int(
-        OmegaConf.select(cfg, "trainer.nnodes", default=1)
-    )
+    layout = layout_from_config(cfg)
+    workers = layout.world
     if slots is not None and workers > int(slots):
         raise CPUJobError(
             f"trainer.n_gpus_per_node x trainer.nnodes = {workers} worker processes, but "
             f"ray_kwargs.ray_init.num_gpus={slots}: on CPU each worker takes one of these (fake) GPU slots; set "
             f"ray_kwargs.ray_init.num_gpus={workers}"
         )
-    strategies = {OmegaConf.select(cfg, f"actor_rollout_ref.{r}.strategy") for r in ("actor", "ref")}
-    if OmegaConf.select(cfg, "model_engine") == "megatron" or "megatron" in strategies:
-        _check_megatron_cpu_job(cfg, strategies)
+    megatron = layout.backend == "megatron"
+    engine, ref = OmegaConf.select(cfg, "model_engine"), OmegaConf.select(cfg, "actor_rollout_ref.ref.strategy")
+    if {engine == "megatron", ref == "megatron"} != {megatron}:  # each CPU preset sets all three to one engine
+        raise CPUJobError(
+            f"verl's Megatron engine on CPU needs {MEGATRON_PRESET} together with model_engine=megatron (got "
+            f"model_engine={engine}, actor/ref strategy {OmegaConf.select(cfg, STRATEGY)}/{ref}; {PRESET} is the "
+            "FSDP engine's preset); see docs/cpu-megatron.md"
+        )
+    if megatron:
+        _check_megatron_cpu_job(cfg)
     else:
         attention = OmegaConf.select(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
         if attention not in CPU_ATTENTION:
@@ -129,14 +136,7 @@ MEGATRON_CPU_SETTINGS = {
 }
 
 
-def _check_megatron_cpu_job(cfg: Any, strategies: set) -> None:
-    if OmegaConf.select(cfg, "model_engine") != "megatron" or strategies != {"megatron"}:
-        raise CPUJobError(
-            f"verl's Megatron engine on CPU needs {MEGATRON_PRESET} together with model_engine=megatron (got "
-            f"model_engine={OmegaConf.select(cfg, 'model_engine')}, "
-            f"actor/ref strategy {'/'.join(sorted(map(str, strategies)))}"
-            f"; {PRESET} is the FSDP engine's preset); see docs/cpu-megatron.md"
-        )
+def _check_megatron_cpu_job(cfg: Any) -> None:
     _check_attention_env(cfg)
     for role in ("actor", "ref"):
         for key, (value, reason) in MEGATRON_CPU_SETTINGS.items():

@@ -102,6 +102,9 @@ class Layout:
 
 
 ACTOR = "actor_rollout_ref.actor"
+# The one key that decides the engine (Layout.backend): verl's workers hand it to verl's engine registry and read it
+# to switch routing replay on; model_engine only selects the config group that sets it.
+STRATEGY = f"{ACTOR}.strategy"
 MEGATRON = f"{ACTOR}.megatron"
 TRANSFORMER = f"{MEGATRON}.override_transformer_config"
 OPTIMIZER = f"{ACTOR}.optim.override_optimizer_config"  # verl copies it over its own optim keys (optimizer.py)
@@ -188,7 +191,7 @@ def _read_all(cfg: DictConfig, keys: dict[str, str]) -> dict:
 
 def layout_from_config(cfg: DictConfig) -> Layout:
     """Read a :class:`Layout` from a composed (resolvable) job config."""
-    backend = "megatron" if _read(cfg, f"{ACTOR}.strategy", "str") == "megatron" else "fsdp"
+    backend = "megatron" if _read(cfg, STRATEGY, "str") == "megatron" else "fsdp"  # fsdp: any engine but Megatron
     common = _read_all(cfg, COMMON_KEYS)
     if backend == "fsdp":
         fsdp = _read_all(cfg, FSDP_KEYS)

@@ -11,14 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from respo_verl.layout.models import ModelShape, job_model_shape
-from respo_verl.layout.parallel import Layout, layout_from_config
+from respo_verl.layout.models import ModelShape
+from respo_verl.layout.parallel import COMMON_KEYS, FSDP_KEYS, MEGATRON_KEYS, ROLLOUT, Layout
+from respo_verl.layout.parallel import MEGATRON as MG
 from respo_verl.routing.mode import REPLAY_KEY, verl_mode
 
-MG = "actor_rollout_ref.actor.megatron"
-ROLLOUT = "actor_rollout_ref.rollout"
 DISPATCHERS = ("allgather", "alltoall", "flex")
 RECOMPUTE_METHODS = ("uniform", "block")
+# The Layout fields of counts that must be at least 1 (size_violations), named by their keys in the job.
+SIZES = (
+    *("nnodes", "gpus_per_node", "train_batch_size", "ppo_mini_batch_size", "rollout_n", "rollout_tp", "rollout_dp"),
+    *("rollout_pp", "rollout_ep", "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"),
+)
+MEGATRON_SIZES = ("tp", "pp", "cp", "ep", "etp", "vpp")
 
 
 @dataclass(frozen=True)
@@ -64,31 +69,9 @@ def replay_violation(m: ModelShape, replay: str) -> Violation | None:
 
 def size_violations(lay: Layout) -> list[Violation]:
     """Counts that must be positive before any other rule (or the memory model) can divide by them."""
-    sizes = {
-        "trainer.nnodes": lay.nnodes,
-        "trainer.n_gpus_per_node": lay.gpus_per_node,
-        "data.train_batch_size": lay.train_batch_size,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": lay.ppo_mini_batch_size,
-        f"{ROLLOUT}.n": lay.rollout_n,
-        f"{ROLLOUT}.tensor_model_parallel_size": lay.rollout_tp,
-        f"{ROLLOUT}.data_parallel_size": lay.rollout_dp,
-        f"{ROLLOUT}.pipeline_model_parallel_size": lay.rollout_pp,
-        f"{ROLLOUT}.expert_parallel_size": lay.rollout_ep,
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": lay.ppo_max_token_len_per_gpu,
-        f"{ROLLOUT}.log_prob_max_token_len_per_gpu": lay.log_prob_max_token_len_per_gpu,
-    }
-    if lay.backend == "megatron":
-        sizes |= {
-            f"{MG}.tensor_model_parallel_size": lay.tp,
-            f"{MG}.pipeline_model_parallel_size": lay.pp,
-            f"{MG}.context_parallel_size": lay.cp,
-            f"{MG}.expert_model_parallel_size": lay.ep,
-            f"{MG}.expert_tensor_parallel_size": lay.etp,
-        }
-        if lay.vpp is not None:
-            sizes[f"{MG}.virtual_pipeline_model_parallel_size"] = lay.vpp
-    else:
-        sizes["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"] = lay.ulysses_sp
+    names = (*SIZES, *(MEGATRON_SIZES if lay.backend == "megatron" else ("ulysses_sp",)))
+    keys = {**COMMON_KEYS, **(MEGATRON_KEYS if lay.backend == "megatron" else FSDP_KEYS)}
+    sizes = {keys[name]: getattr(lay, name) for name in names if getattr(lay, name) is not None}
     out = [Violation("world-size", f"{key} must be >= 1, got {value}") for key, value in sizes.items() if value < 1]
     if lay.nnodes >= 1 and lay.gpus_per_node >= 1:
         return out
@@ -320,11 +303,3 @@ def check_layout(m: ModelShape | None, lay: Layout, batch: bool = True) -> list[
         return sizes
     rules = _megatron_rules(m, lay) if lay.backend == "megatron" else _fsdp_rules(m, lay)
     return [*rules, *(_batch_rules(lay) if batch else ()), *_rollout_rules(m, lay)]
-
-
-def check_job_layout(cfg) -> list[Violation]:
-    """:func:`check_layout` of a composed job, before anything starts: the rules on how batches split are left to
-    verl's ``validate_config`` (``--cfg job`` prints verl's default job, which sets no micro-batch size); those on
-    the model's shape apply where its ``config.json`` is on this machine
-    (:func:`respo_verl.layout.models.job_model_shape`)."""
-    return check_layout(job_model_shape(cfg), layout_from_config(cfg), batch=False)

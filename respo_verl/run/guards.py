@@ -84,8 +84,8 @@ class GuardConfig:
 
 
 def check_guards(cfg: Any) -> GuardConfig:
-    """The job's ``run_guard`` node, checked with the job before Ray starts (:func:`respo_verl.run.jobcheck.check_job`):
-    ValueError with one line naming the key, its value and what it accepts."""
+    """The job's ``run_guard`` node, parsed for the job's view (:meth:`respo_verl.run.jobcheck.Job.of`): ValueError
+    with one line naming the key, its value and what it accepts."""
     from omegaconf import OmegaConf
 
     guard = GuardConfig.from_config(cfg.get("run_guard"))

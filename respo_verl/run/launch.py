@@ -1,12 +1,10 @@
 """The steps of a run that come after composition, in the order the entry point takes them.
 
-:func:`check_trainer` and :func:`check_resume` refuse, before anything starts, verl's legacy trainer with the
-guards on and a resume from another run's checkpoint or from a damaged one (the job's own checks are
-:mod:`respo_verl.run.jobcheck`'s). :func:`train` checks the machine, the model and the data before Ray, validates the
-job as verl's own entry point does, and starts verl's TaskRunner with three hooks that run once Ray is up: the node
-preflight (:mod:`respo_verl.run.preflight`), the watchdog (:func:`start_watchdog`) and the SIGTERM handler (save
-at the end of the step, then stop). A Ray cluster the driver starts itself is stopped once the driver
-has ended, however it ended (:mod:`respo_verl.run.reaper`).
+:func:`check_trainer` and :func:`check_resume` refuse verl's legacy trainer with the guards on, and a resume from
+another run's checkpoint or a damaged one. :func:`train` checks the machine, the model and the data before Ray,
+validates the job as verl's entry point does, and starts verl's TaskRunner with hooks that run once Ray is up: the
+node preflight (:mod:`respo_verl.run.preflight`), the watchdog (:func:`start_watchdog`), the SIGTERM handler (save
+at the end of the step, then stop) and the reaper of a Ray cluster the driver started (:mod:`respo_verl.run.reaper`).
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from respo_verl.data.check import check_data
-from respo_verl.run.jobcheck import check_machine, check_model, task_runner_resources
+from respo_verl.run.jobcheck import RESOURCES_KEY, Job, check_machine, check_model, uses_respo_trainer
 from respo_verl.run.nodes import lost_node_stop
 from respo_verl.run.stops import EXIT_ERROR, EXIT_REFUSED, stop_of
-from respo_verl.run.trainer import TRAINER_MODE
 
 PROG = "respo_verl.main_ppo"  # how the run's own lines name it
 _REAPER = None  # the reaper's process (respo_verl.run.reaper), kept for the driver's lifetime
@@ -29,7 +26,7 @@ WATCHDOG_TRACE_ENV = "RESPO_VERL_WATCHDOG_TRACE"
 _WATCHDOG = None  # the watchdog (respo_verl.run.watchdog.Watchdog) of this driver's run
 
 
-def with_driver_hooks(runner_cls, config: DictConfig):
+def with_driver_hooks(runner_cls, job: Job):
     """A stand-in for a TaskRunner actor class that, once Ray is up and right before the runner starts, runs the node
     preflight (:func:`respo_verl.run.preflight.check_ray_nodes`: a failure is exit 2, before any model loads), starts
     the watchdog and installs the SIGTERM handler (here, because ``ray.init`` installs Ray's own, which aborts the
@@ -43,19 +40,16 @@ def with_driver_hooks(runner_cls, config: DictConfig):
     def _before_start():
         stop_local_ray_with_driver()
         try:
-            check_ray_nodes(requirements=job_requirements(config), folders=shared_folders(config))
+            check_ray_nodes(requirements=job_requirements(job.config), folders=shared_folders(job.config))
         except RuntimeError as exc:  # check_ray_nodes raises RuntimeError only for a failed preflight
             print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_REFUSED) from None
-        missing = sorted(set(resources) - set(ray.cluster_resources()))
+        missing = sorted(set(job.trainer_resources) - set(ray.cluster_resources()))
         if missing:  # the TaskRunner would wait for a node with them for ever
-            print(f"{PROG}: ray_kwargs.task_runner_resources: no node of the cluster has {missing}", file=sys.stderr)
+            print(f"{PROG}: {RESOURCES_KEY}: no node of the cluster has {missing}", file=sys.stderr)
             raise SystemExit(EXIT_REFUSED)
-        start_watchdog(config)
+        start_watchdog(job)
         stop_on_sigterm()
-
-    # +ray_kwargs.task_runner_resources (checked with the job): none, Ray's choice (the driver's node if it has room)
-    resources = task_runner_resources(config)
 
     class _HookedTaskRunner:
         @staticmethod
@@ -65,7 +59,9 @@ def with_driver_hooks(runner_cls, config: DictConfig):
         @staticmethod
         def options(**options):
             _before_start()
-            return runner_cls.options(**({"resources": resources} if resources else {}), **options)
+            # no resources: Ray's choice (the driver's node if it has room)
+            resources = {"resources": job.trainer_resources} if job.trainer_resources else {}
+            return runner_cls.options(**resources, **options)
 
     return _HookedTaskRunner
 
@@ -85,7 +81,7 @@ def stop_local_ray_with_driver():
     return _REAPER
 
 
-def start_watchdog(config: DictConfig) -> None:
+def start_watchdog(job: Job) -> None:
     """With the respo-verl trainer, start the watchdog in this driver (:class:`respo_verl.run.watchdog.Watchdog`),
     with its look at the run's nodes and set-up actors (:class:`respo_verl.run.nodes.ClusterWatch`): on a stall, a
     lost node or an actor failed in the set-up it interrupts the driver's wait for the trainer, and :func:`train`
@@ -93,31 +89,25 @@ def start_watchdog(config: DictConfig) -> None:
     import _thread
     import os
 
-    from respo_verl.run.guards import GuardConfig
     from respo_verl.run.nodes import ClusterWatch
     from respo_verl.run.watchdog import PHASE, STOP, Records, Watchdog
 
     global _WATCHDOG
-    if not uses_respo_trainer(config):
+    if not job.respo_trainer:
         return
     records = Records()
     for name in (PHASE, STOP):  # a record of an earlier driver of this job (a resubmitted Ray job)
         records.delete(name)
     trace = os.environ.get(WATCHDOG_TRACE_ENV)
-    guard = GuardConfig.from_config(config.get("run_guard"))
-    _WATCHDOG = Watchdog(records, guard, trace=trace, cluster=ClusterWatch.of_this_job())
+    _WATCHDOG = Watchdog(records, job.guard, trace=trace, cluster=ClusterWatch.of_this_job())
     interruptible_main()
     _WATCHDOG.start(on_stop=_thread.interrupt_main)
 
 
 def interruptible_main() -> None:
-    """Make ``_thread.interrupt_main`` raise KeyboardInterrupt in this process's main thread.
-
-    It does so only where SIGINT has a Python handler, and a process started in the background by a non-interactive
-    shell (``nohup``, ``cmd &``, many batch scripts) inherits SIGINT ignored: Python then installs none, and the
-    watchdog's interrupt did nothing (a driver so started sat in a hung weight sync past every bound). A SIGINT
-    that is ignored or left to the system gets Python's own handler back.
-    """
+    """Make ``_thread.interrupt_main`` (the watchdog's stop) raise KeyboardInterrupt in this process's main thread:
+    it does so only where SIGINT has a Python handler, and a process started in the background by a non-interactive
+    shell (``nohup``, ``cmd &``) inherits SIGINT ignored. Such a SIGINT gets Python's own handler back."""
     if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -140,11 +130,6 @@ def stop_on_sigterm() -> None:
         )
 
     signal.signal(signal.SIGTERM, _request_stop)
-
-
-def uses_respo_trainer(config: DictConfig) -> bool:
-    v1 = OmegaConf.select(config, "trainer.use_v1", default=True)
-    return bool(v1) and OmegaConf.select(config, "trainer.v1.trainer_mode") == TRAINER_MODE
 
 
 def check_resume(config: DictConfig) -> None:
@@ -171,7 +156,8 @@ def check_trainer(config: DictConfig) -> None:
 
 def train(config: DictConfig, check_loss=None) -> None:
     """Check the machine, the model and the data, validate ``config`` as verl's main_ppo does, then train with verl's
-    V1 or legacy TaskRunner. ``check_loss``, when given, is called with the job's ``policy_loss.loss_mode`` once verl
+    V1 or legacy TaskRunner, its hooks reading the job's view (:class:`respo_verl.run.jobcheck.Job`, made once the
+    config is validated). ``check_loss``, when given, is called with the job's ``policy_loss.loss_mode`` once verl
     is imported, before the validation (the entry point passes the glue's
     :func:`respo_verl.verl.config.require_policy_loss`). Raises the checks' errors (DataCheckError,
     MachineCheckError, ModelCheckError) before Ray starts. A run that stops prints one line naming the cause
@@ -195,9 +181,10 @@ def train(config: DictConfig, check_loss=None) -> None:
         runner_cls = TaskRunnerV1
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
+    hooked_runner_cls = with_driver_hooks(runner_cls, Job.of(config))
     global _WATCHDOG
     try:
-        run_ppo(config, task_runner_class=with_driver_hooks(runner_cls, config))
+        run_ppo(config, task_runner_class=hooked_runner_cls)
     except (KeyboardInterrupt, Exception) as exc:  # the watchdog interrupts the wait for the trainer (as Ctrl-C does)
         stopped = _WATCHDOG.stopped if _WATCHDOG is not None else None
         if isinstance(exc, KeyboardInterrupt) and stopped is None:

@@ -1,9 +1,10 @@
 """What a composed job needs installed on every node, and which of it the current process lacks.
 
-:func:`job_requirements` reads the composed configuration and imports nothing; :func:`check_missing` imports each
-piece where it runs (docs/gpu.md, "The preflight: what every node must have"). Each requirement names the key that
-makes the job need it, so that a missing piece can be fixed either way: install it, or change the key; where verl
-0.9.1, megatron-core 0.16.1 and Transformer Engine decide it is said next to each requirement below.
+:func:`job_requirements` reads the composed configuration, its layout too (:mod:`respo_verl.layout.parallel`);
+:func:`check_missing` imports each piece where it runs (docs/gpu.md, "The preflight: what every node must have").
+Each requirement names the key that makes the job need it, so that a missing piece can be fixed either way: install
+it, or change the key; where verl 0.9.1, megatron-core 0.16.1 and Transformer Engine decide it is said next to each
+requirement below.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from respo_verl.layout.parallel import ROLLOUT, STRATEGY, layout_from_config
+
 MEGATRON = "megatron"
 CUDA = "cuda"
 ACTOR_MG = "actor_rollout_ref.actor.megatron"
 REF_MG = "actor_rollout_ref.ref.megatron"
 TF_CONFIG = "override_transformer_config"
-ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
+ROLLOUT_NAME = f"{ROLLOUT}.name"
 ATTN_IMPLEMENTATION = "actor_rollout_ref.model.override_config.attn_implementation"
 # verl 0.9.1: HFModelConfig's attention implementation when override_config does not set one.
 VERL_DEFAULT_ATTN_IMPLEMENTATION = "flash_attention_2"
@@ -62,15 +65,9 @@ def _select(cfg: Any, key: str, default: Any = None) -> Any:
 
 
 def _megatron_requirements(cfg: Any, cuda: bool) -> Iterator[Requirement]:
-    """What a Megatron job needs (none for another engine); NVIDIA Apex is not among it: megatron-core falls back to
-    torch where Apex is absent (``megatron/core/optimizer/``, docs/gpu.md, "The preflight: what every node must have").
-    """
-    if _select(cfg, "model_engine") == MEGATRON:
-        engine_key = "model_engine=megatron"
-    elif _select(cfg, "actor_rollout_ref.actor.strategy") == MEGATRON:
-        engine_key = "actor_rollout_ref.actor.strategy=megatron"
-    else:
-        return
+    """What a Megatron job needs; NVIDIA Apex is not among it: megatron-core falls back to torch where Apex is absent
+    (``megatron/core/optimizer/``, docs/gpu.md, "The preflight: what every node must have")."""
+    engine_key = f"{STRATEGY}={MEGATRON}"
     yield Requirement("megatron.core", engine_key, "megatron-core")
     if cuda:
         # mbridge builds every layer with get_gpt_decoder_block_spec(..., use_transformer_engine=True)
@@ -116,19 +113,17 @@ def _megatron_requirements(cfg: Any, cuda: bool) -> Iterator[Requirement]:
 
 def job_requirements(cfg: Any) -> list[Requirement]:
     """What the composed job ``cfg`` needs importable on every node, one entry per package (first reason kept)."""
-    cuda = str(_select(cfg, "trainer.device", CUDA)) == CUDA
+    cuda, layout = str(_select(cfg, "trainer.device", CUDA)) == CUDA, layout_from_config(cfg)
     reqs: list[Requirement] = []
     if cuda:
-        gpus = _select(cfg, "trainer.n_gpus_per_node", 1)
-        gpus = gpus if isinstance(gpus, int) and gpus > 0 else 1
+        gpus = max(layout.gpus_per_node, 1)
         reqs.append(
             Requirement("torch", f"trainer.device=cuda, trainer.n_gpus_per_node={gpus}", "CUDA torch", gpus=gpus)
         )
-    rollout = _select(cfg, ROLLOUT_NAME)
-    if rollout in ROLLOUT_PACKAGES:
-        module, package = ROLLOUT_PACKAGES[rollout]
-        reqs.append(Requirement(module, f"{ROLLOUT_NAME}={rollout}", package))
-    megatron = list(_megatron_requirements(cfg, cuda))
+    if layout.rollout_name in ROLLOUT_PACKAGES:
+        module, package = ROLLOUT_PACKAGES[layout.rollout_name]
+        reqs.append(Requirement(module, f"{ROLLOUT_NAME}={layout.rollout_name}", package))
+    megatron = list(_megatron_requirements(cfg, cuda)) if layout.backend == MEGATRON else []
     reqs.extend(megatron)
     if not megatron:  # FSDP: HFModelConfig's attention implementation
         set_attn = _select(cfg, ATTN_IMPLEMENTATION)

@@ -25,14 +25,14 @@ import logging
 from contextlib import nullcontext
 from pathlib import Path
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from respo_verl.patches import Patch, verl_0_9_1
-from respo_verl.routing.mode import replay_mode
 from respo_verl.run import checkpoint
-from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, StepGuards, check_guards, failed_sample_metrics
+from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, StepGuards, failed_sample_metrics
 from respo_verl.run.hooks import TIMED_PHASES, in_prompt_order, phase_timers, trainer_hooks
+from respo_verl.run.jobcheck import Job
 from respo_verl.run.liveness import SampleWait, await_created, watch_replay_buffer, watched_actors
 from respo_verl.run.liveness import waits_on as count_actors
 from respo_verl.run.nodes import record_placement
@@ -60,14 +60,13 @@ class RespoTrainer(PPOTrainerSync):
     """verl's ``PPOTrainerSync`` with the additions the module docstring lists."""
 
     def __init__(self, config, *args, **kwargs):
-        guard = check_guards(config)
-        megatron = OmegaConf.select(config, "actor_rollout_ref.actor.strategy") == "megatron"
-        self._guards = StepGuards(guard, replay_mode(config) if megatron else "off")
+        job = Job.of(config)  # the TaskRunner's view of the job, made once
+        self._guards = StepGuards(job.guard, job.replay)
         # The run's identity before verl adds its own keys (optimizer step counts, TransferQueue) to the config.
         self._run = checkpoint.identity(config)
         self._records = Records()
         # The phase of the step, and the stage of the set-up, for the driver's watchdog (respo_verl.run.watchdog).
-        self._board = PhaseBoard(self._records if guard.enable else None)
+        self._board = PhaseBoard(self._records if job.guard.enable else None)
         self._setup_stage("the trainer: its replay buffer")
         self._prompt_order: dict[str, int] = {}  # uid -> position, for the train prompts not yet sampled
         self._prompts_fetched = 0

@@ -27,8 +27,8 @@ LOSS = "actor_rollout_ref.actor.policy_loss"
         (["algorithm=vespo", f"{LOSS}.vespo.log_w_clip=abc"], "VESPOConfig.log_w_clip must be a number, got 'abc'"),
         (
             ["algorithm=respo", "model_engine=dp", "routing=r2"],
-            "routing replay needs model_engine=megatron, got model_engine=dp "
-            "with actor_rollout_ref.actor.megatron.router_replay.mode=R2",
+            "routing replay needs model_engine=megatron (actor_rollout_ref.actor.strategy=megatron), got "
+            "actor_rollout_ref.actor.strategy=fsdp with actor_rollout_ref.actor.megatron.router_replay.mode=R2",
         ),
         (["algorithm=grpo", "routing=r3"], "routing replay needs model_engine=megatron"),
         (

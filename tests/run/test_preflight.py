@@ -120,7 +120,7 @@ def test_the_papers_stack_present_passes(tmp_path):
             "transformer_engine/__init__.py",
             'raise OSError("libtransformer_engine.so: undefined symbol (test shadow)")\n',
             "transformer_engine",
-            "model_engine=megatron",
+            "actor_rollout_ref.actor.strategy=megatron",
             "OSError: libtransformer_engine.so: undefined symbol (test shadow)",
         ),
         (
@@ -248,6 +248,7 @@ def test_the_ray_preflight_counts_the_gpus_the_node_shows_not_the_none_ray_gives
 
 def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_preflight(monkeypatch, capsys, tmp_path):
     import respo_verl.run.preflight as preflight
+    from respo_verl.run.jobcheck import Job
     from respo_verl.run.launch import with_driver_hooks
 
     seen = {}
@@ -267,7 +268,7 @@ def test_the_entry_point_passes_the_jobs_requirements_and_exits_2_on_a_failed_pr
         ["algorithm=respo", f"+cluster={PAPER_PRESET}", "+task=dapo_math_overlong", f"trainer.default_local_dir={root}"]
     )
     with pytest.raises(SystemExit) as exit_info:
-        with_driver_hooks(Runner, config).remote()
+        with_driver_hooks(Runner, Job.of(config)).remote()
     assert exit_info.value.code == 2
     assert seen["requirements"] == _requirements()
     assert Path(seen["folders"].marker).parent == root  # the driver's marker every node must see
@@ -284,6 +285,7 @@ def test_the_taskrunner_asks_for_its_resources_and_one_no_node_has_is_refused(mo
 
     import respo_verl.run.launch as launch
     import respo_verl.run.preflight as preflight
+    from respo_verl.run.jobcheck import Job
 
     asked = []
 
@@ -298,19 +300,19 @@ def test_the_taskrunner_asks_for_its_resources_and_one_no_node_has_is_refused(mo
             return "runner"
 
     monkeypatch.setattr(preflight, "check_ray_nodes", lambda **kwargs: None)
-    monkeypatch.setattr(launch, "start_watchdog", lambda config: None)
+    monkeypatch.setattr(launch, "start_watchdog", lambda job: None)
     monkeypatch.setattr(launch, "stop_on_sigterm", lambda: False)
     overrides = ["algorithm=respo", f"trainer.default_local_dir={tmp_path}"]
-    config = compose([*overrides, "+ray_kwargs.task_runner_resources={trainer_node:1}"])
+    job = Job.of(compose([*overrides, "+ray_kwargs.task_runner_resources={trainer_node:1}"]))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "trainer_node": 1.0})
-    assert launch.with_driver_hooks(Runner, config).remote() == "runner"
+    assert launch.with_driver_hooks(Runner, job).remote() == "runner"
     assert asked == [{"resources": {"trainer_node": 1.0}}]
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
     with pytest.raises(SystemExit) as exit_info:
-        launch.with_driver_hooks(Runner, config).remote()
+        launch.with_driver_hooks(Runner, job).remote()
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         "respo_verl.main_ppo: ray_kwargs.task_runner_resources: no node of the cluster has ['trainer_node']\n"
     )
-    assert launch.with_driver_hooks(Runner, compose(overrides)).options(max_concurrency=2).remote() == "runner"
+    assert launch.with_driver_hooks(Runner, Job.of(compose(overrides))).options(max_concurrency=2).remote() == "runner"
     assert asked[-1] == {"max_concurrency": 2}  # none asked: Ray's choice
