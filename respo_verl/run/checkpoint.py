@@ -106,7 +106,8 @@ RESTART_OVERRIDE = "trainer.experiment_name=<a new name>"
 NODES_GPUS = "nodes × GPUs"  # how a change of trainer.nnodes / trainer.n_gpus_per_node is named
 # A model-parallel change megatron-core reshards a fully_reshardable optimizer across, and verl 0.9.1 loads: its RNG
 # state is a ShardedObject of global shape (PP, TP) (MegatronCheckpointManager.get_rng_state), which megatron-core
-# cannot load at another PP or TP ("Invalid access pattern: 1 ShardedObject are missing"), so TP and PP stay.
+# cannot load at another PP or TP ("Invalid access pattern: 1 ShardedObject are missing"), so TP and PP stay. EP
+# changes only while it stays above 1 (EXPERT_OPTIMIZER_FROM).
 FULLY_RESHARDABLE_CHANGES = frozenset(
     {
         "virtual_pipeline_model_parallel_size",
@@ -115,6 +116,12 @@ FULLY_RESHARDABLE_CHANGES = frozenset(
         "expert_tensor_parallel_size",
     }
 )
+# megatron-core 0.16.1 marks expert parameters expert-parallel, and gives them a distributed optimizer of their own
+# in its ChainedOptimizer, only at expert_model_parallel_size > 1 (tensor_parallel/layers.py, moe/experts.py,
+# optimizer/__init__.py); the optimizer checkpoint keeps one state per chained optimizer, and ChainedOptimizer's
+# load_state_dict cannot load two into one or one into two (EP 2 -> 1 from fully_reshardable: KeyError 'optimizer' in
+# DistributedOptimizer.load_state_dict).
+EXPERT_OPTIMIZER_FROM = 2
 # What the one-line summary of a fingerprint shows, so that a refusal says how two runs differ.
 SUMMARY_KEYS = {
     "loss": "actor_rollout_ref.actor.policy_loss.loss_mode",
@@ -257,9 +264,10 @@ def layout_verdict(saved: dict[str, Any], current: dict[str, Any]) -> LayoutVerd
 
     - Megatron, a change of data parallel only (nodes × GPUs, DP; TP, PP, VPP, CP, EP, ETP as saved): from every
       format but Megatron-FSDP's (not checked here, so refused).
-    - Megatron, a change of VPP, CP, EP or ETP: from ``fully_reshardable`` only. A change of TP or PP never: verl
-      0.9.1 keeps the RNG state by (PP, TP) (:data:`FULLY_RESHARDABLE_CHANGES`). Turning the distributed optimizer
-      on or off never: its checkpoint has another form.
+    - Megatron, a change of VPP, CP, EP or ETP: from ``fully_reshardable`` only, and EP only while it stays above 1
+      (:data:`EXPERT_OPTIMIZER_FROM`). A change of TP or PP never: verl 0.9.1 keeps the RNG state by (PP, TP)
+      (:data:`FULLY_RESHARDABLE_CHANGES`). Turning the distributed optimizer on or off never: its checkpoint has
+      another form.
     - FSDP: verl saves one file per rank, named by the world size, in shards of the FSDP mesh, and loads the files
       of its own world size only: nodes × GPUs and ``fsdp_size`` stay. A change of Ulysses only resumes (the mesh,
       hence every shard, is the same; the data-parallel size follows).
@@ -305,6 +313,14 @@ def layout_verdict(saved: dict[str, Any], current: dict[str, Any]) -> LayoutVerd
             shown,
             False,
             f"{saved_as}, but verl 0.9.1 keeps the RNG state by (PP, TP) and cannot load it at another TP or PP",
+        )
+    experts_apart = [(lay.get("expert_model_parallel_size") or 1) >= EXPERT_OPTIMIZER_FROM for lay in (saved, current)]
+    if experts_apart[0] != experts_apart[1]:
+        return LayoutVerdict(
+            shown,
+            False,
+            f"{saved_as}, but megatron-core 0.16.1 gives the experts an optimizer of their own only at EP > 1 and "
+            "cannot load the state of two optimizers into one, or of one into two",
         )
     return LayoutVerdict(shown, True, f"{saved_as}: megatron-core reshards it")
 

@@ -382,16 +382,32 @@ def test_the_weights_way_out_starts_a_run_of_its_own(tmp_path):
 
 
 def test_an_expert_parallel_change_from_fully_reshardable_resumes_with_one_warning(tmp_path):
-    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=2, n_gpus_per_node=2, fully_reshardable=True))
-    plan = plan_resume(_mcore_cfg(tmp_path, ep=1, n_gpus_per_node=1, fully_reshardable=True))
+    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=4, n_gpus_per_node=4, fully_reshardable=True))
+    plan = plan_resume(_mcore_cfg(tmp_path, ep=2, n_gpus_per_node=2, fully_reshardable=True))
     assert plan.resume_from == path
     assert plan.warnings == (
-        f"layout changed since {path}: expert_model_parallel_size 2 -> 1, data_parallel_size 2 -> 1, nodes × GPUs "
-        "1×2 -> 1×1; the optimizer was saved fully_reshardable: megatron-core reshards it",
+        f"layout changed since {path}: expert_model_parallel_size 4 -> 2, data_parallel_size 4 -> 2, nodes × GPUs "
+        "1×4 -> 1×2; the optimizer was saved fully_reshardable: megatron-core reshards it",
     )
     # the saved format decides, not this run's: verl reads it from the checkpoint
-    plan = plan_resume(_mcore_cfg(tmp_path, ep=1, n_gpus_per_node=1, fully_reshardable=False))
+    plan = plan_resume(_mcore_cfg(tmp_path, ep=2, n_gpus_per_node=2, fully_reshardable=False))
     assert plan.resume_from == path and "saved fully_reshardable: megatron-core reshards it" in plan.warnings[0]
+
+
+@pytest.mark.parametrize("saved_ep, ep", [(2, 1), (1, 2)])
+def test_expert_parallel_1_to_more_or_back_is_refused_even_from_fully_reshardable(tmp_path, saved_ep, ep):
+    """megatron-core 0.16.1 gives the experts an optimizer of their own only at EP > 1: the checkpoint holds the state
+    of two chained optimizers or of one, and ChainedOptimizer loads neither into the other."""
+    path = _save(tmp_path, 2, _mcore_cfg(tmp_path, ep=saved_ep, n_gpus_per_node=2, fully_reshardable=True))
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(_mcore_cfg(tmp_path, ep=ep, n_gpus_per_node=2, fully_reshardable=True))
+    line = str(err.value)
+    assert line.startswith(
+        f"layout changed since {path}: expert_model_parallel_size {saved_ep} -> {ep}; the optimizer was saved "
+        "fully_reshardable, but megatron-core 0.16.1 gives the experts an optimizer of their own only at EP > 1 and "
+        "cannot load the state of two optimizers into one, or of one into two. Resume on the saved layout "
+        f"({MEGATRON}.expert_model_parallel_size={saved_ep}), or "
+    ), line
 
 
 def test_a_tensor_parallel_change_is_refused_even_from_fully_reshardable(tmp_path):

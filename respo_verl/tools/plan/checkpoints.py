@@ -155,10 +155,10 @@ class CheckpointPlan:
             f"{self.reshardable.params / 1e9:,.2f} B parameters of its shard)"
         )
         if self.optimizer_format == FULLY_RESHARDABLE:
-            return f"; optimizer saved {FULLY_RESHARDABLE} (a relaunch may change EP, ETP, CP, VPP or DP): {cost}"
+            return f"; optimizer saved {FULLY_RESHARDABLE} (a relaunch may change DP, VPP, CP, ETP, EP above 1): {cost}"
         return (
             f"; optimizer saved {DP_RESHARDABLE} (a relaunch may change DP only; {FULLY_RESHARDABLE_SWITCH} also "
-            f"EP, ETP, CP and VPP, for {cost})"
+            f"VPP, CP, ETP and EP above 1, for {cost})"
         )
 
 

@@ -66,14 +66,14 @@ def test_the_fully_reshardable_save_costs_12_bytes_per_parameter_of_the_shard_an
 def test_the_checkpoint_line_names_the_optimizer_format_and_the_switchs_host_memory(capsys):
     line = _checkpoint_line(capsys, ["qwen3_30b_a3b_h100_2x8"])
     assert (
-        "; optimizer saved dp_reshardable (a relaunch may change DP only; +respo_verl=fully_reshardable also EP, ETP, "
-        "CP and VPP, for up to 118 GB of host RAM per save process (53 GB of gathered fp32 state: 12 B × 4.40 B "
-        "parameters of its shard))"
+        "; optimizer saved dp_reshardable (a relaunch may change DP only; +respo_verl=fully_reshardable also VPP, CP, "
+        "ETP and EP above 1, for up to 118 GB of host RAM per save process (53 GB of gathered fp32 state: 12 B × "
+        "4.40 B parameters of its shard))"
     ) in " ".join(line.split())
     line = _checkpoint_line(capsys, ["qwen3_30b_a3b_h100_1x8", "+respo_verl=fully_reshardable"])
     assert (
-        "; optimizer saved fully_reshardable (a relaunch may change EP, ETP, CP, VPP or DP): up to 140 GB of host RAM "
-        "per save process (53 GB of gathered fp32 state: 12 B × 4.40 B parameters of its shard)"
+        "; optimizer saved fully_reshardable (a relaunch may change DP, VPP, CP, ETP, EP above 1): up to 140 GB of "
+        "host RAM per save process (53 GB of gathered fp32 state: 12 B × 4.40 B parameters of its shard)"
     ) in " ".join(line.split())
     # FSDP saves each rank's own shards: no optimizer format to name
     assert "optimizer saved" not in _checkpoint_line(capsys, ["qwen3_1p7b_h100_1x8"])
