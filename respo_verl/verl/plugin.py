@@ -1,7 +1,9 @@
 """Registers respo-verl in verl: the ``respo``/``vespo`` policy losses, the ``respo`` advantage estimator, the
 route-drift Megatron engines, the respo-verl trainer (``trainer.v1.trainer_mode=respo_sync``) and the presets'
 OmegaConf resolvers, through verl's and OmegaConf's public registries; then wraps every policy loss so that it also
-logs the method-independent starved mass share (:mod:`respo_verl.verl.starvation`, a ``Patch`` of verl's registry).
+logs the method-independent starved mass share (:mod:`respo_verl.verl.starvation`, a ``Patch`` of verl's registry),
+and gives the run a TransferQueue controller of its own (:mod:`respo_verl.patches.transfer_queue_0_1_11`), so that
+runs sharing a Ray cluster keep their queues apart.
 
 Loaded three ways, so that every process of a run has the registrations:
 
@@ -21,6 +23,7 @@ nothing of Megatron here; the ``routing=r2|r3`` presets select them with verl's 
 
 from __future__ import annotations
 
+from respo_verl.patches.transfer_queue_0_1_11 import PER_RUN_CONTROLLER as TRANSFER_QUEUE_OF_THE_RUN
 from respo_verl.routing.engine import REGISTRATION as ROUTE_DRIFT_ENGINES
 from respo_verl.run import resolvers
 from respo_verl.run.trainer import REGISTRATION as TRAINER
@@ -32,3 +35,4 @@ ROUTE_DRIFT_ENGINES.apply()
 TRAINER.apply()
 resolvers.register()
 starvation.apply_unless_switched_off()  # after the losses: wraps them, and verl's vanilla and gspo
+TRANSFER_QUEUE_OF_THE_RUN.apply()  # before any TransferQueue actor is named: runs sharing a cluster stay apart
