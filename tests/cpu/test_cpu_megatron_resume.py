@@ -2,11 +2,12 @@
 model_engine=megatron routing=r2`` on the kit's tiny Qwen3-MoE, two worker processes with expert parallel 2.
 
 One uninterrupted run and its relaunch from the checkpoint of step 2 (two verl drivers) show R2's route drift, the
-run guard's stop on a failed reward, megatron-core's dist checkpointing with expert-parallel shards, mbridge's HF
-export (the experts gathered back for the rollout), verl's resume, and the non-finite stop on the Megatron engine.
-Each is a real subprocess started by tests/support/cpu_runs.py (Ray, TransferQueue, the agent loop, the hf_cpu
-rollout, verl's ``MegatronEngineWithLMHead`` with megatron-core on gloo, verl's naive weight sync, router replay and
-file logger).
+run guard's stop on a failed reward, megatron-core's dist checkpointing with expert-parallel shards in both of verl's
+optimizer formats (``dp_reshardable``, and ``fully_reshardable`` through ``+respo_verl=fully_reshardable``), mbridge's
+HF export (the experts gathered back for the rollout), verl's resume, the refusal before Ray of a relaunch on expert
+parallel 1 from either checkpoint, and the non-finite stop on the Megatron engine. Each is a real subprocess started
+by tests/support/cpu_runs.py (Ray, TransferQueue, the agent loop, the hf_cpu rollout, verl's
+``MegatronEngineWithLMHead`` with megatron-core on gloo, verl's naive weight sync, router replay and file logger).
 """
 
 from __future__ import annotations
@@ -17,22 +18,36 @@ import shutil
 import pytest
 from support import cpu_runs
 
-from respo_verl.cpu.kit.build import KitSpec, build_kit
+from respo_verl.cpu.kit.build import KIT_ENV, KitSpec, build_kit, kit_root
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
-from respo_verl.run.checkpoint import TRACKER
+from respo_verl.run.checkpoint import DP_RESHARDABLE, FULLY_RESHARDABLE, MARKER, TRACKER, CheckpointError, plan_resume
+from respo_verl.run.compose import compose_job
 from respo_verl.run.stops import EXIT_GUARD
 from respo_verl.tools.runs.logs import STOPPED_KEY, read_log
 
 MEGATRON_JOB = ["algorithm=respo", "routing=r2", "model_engine=megatron", "+device=cpu_megatron"]
+
+
+def _expert_parallel(size: int) -> list[str]:
+    """``size`` worker processes with expert parallel ``size`` (data parallel ``size`` for the dense parameters, 1
+    for the experts), the per-process micro-batches as the fingerprint has them."""
+    return [
+        f"trainer.n_gpus_per_node={size}",
+        f"ray_kwargs.ray_init.num_gpus={size}",
+        *(f"actor_rollout_ref.{role}.megatron.expert_model_parallel_size={size}" for role in ("actor", "ref")),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        *(f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu=4" for role in ("ref", "rollout")),
+    ]
+
+
 # Two worker processes with expert parallel 2 on gloo: each holds 2 of the 4 experts, tokens travel between them by
 # megatron's all-to-all dispatcher, and the rollout gets the experts gathered back by mbridge's export.
-EXPERT_PARALLEL_2 = [
-    "trainer.n_gpus_per_node=2",
-    "ray_kwargs.ray_init.num_gpus=2",
-    *(f"actor_rollout_ref.{role}.megatron.expert_model_parallel_size=2" for role in ("actor", "ref")),
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-    *(f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu=4" for role in ("ref", "rollout")),
-]
+EXPERT_PARALLEL_2 = _expert_parallel(2)
+# The layout change a relaunch asks for: one process with all 4 experts.
+EXPERT_PARALLEL_1 = _expert_parallel(1)
+# The switch of configs/respo_verl/fully_reshardable.yaml: the checkpoints a run saves from then on are
+# fully_reshardable.
+FULLY_RESHARDABLE_SWITCH = "+respo_verl=fully_reshardable"
 RESPO_KEYS = ("actor/respo/pos/log_w_mean", "actor/respo/neg/phi_mean", "actor/respo/starved_mass_share")
 ROUTING_KEYS = (
     "actor/routing/flip_frac",
@@ -70,13 +85,11 @@ NONFINITE_STOP = (
 )
 
 
-def _launch(folder, *extra: str, stop: str | None = None) -> tuple[str, list[dict]]:
-    """4 steps of R2 at N = 2 with expert parallel 2, a checkpoint every second step, verl's full determinism, and a
-    reward function that raises in step 4 for one prompt's response; the run guard stops the run there (exit 3),
-    or ``stop`` does (the pattern of its line)."""
-    overrides = [
+def _job(folder, *extra: str, layout: list[str] = EXPERT_PARALLEL_2) -> list[str]:
+    """The overrides of :func:`_launch`'s run (``layout``: its processes and expert parallel size)."""
+    return [
         *MEGATRON_JOB,
-        *EXPERT_PARALLEL_2,
+        *layout,
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         f"data.train_batch_size={PROMPTS}",
         "trainer.total_training_steps=4",
@@ -90,7 +103,13 @@ def _launch(folder, *extra: str, stop: str | None = None) -> tuple[str, list[dic
         f"+ray_kwargs.ray_init.runtime_env.env_vars.RAISING_REWARD_INDEX='{FAILING_PROMPT}'",
         *extra,
     ]
-    rc, out = cpu_runs.launch(folder, cpu_runs.main_ppo(*overrides), timeout=1500)
+
+
+def _launch(folder, *extra: str, stop: str | None = None) -> tuple[str, list[dict]]:
+    """4 steps of R2 at N = 2 with expert parallel 2, a checkpoint every second step, verl's full determinism, and a
+    reward function that raises in step 4 for one prompt's response; the run guard stops the run there (exit 3),
+    or ``stop`` does (the pattern of its line)."""
+    rc, out = cpu_runs.launch(folder, cpu_runs.main_ppo(*_job(folder, *extra)), timeout=1500)
     assert rc == EXIT_GUARD, out[-5000:]
     assert "raising_reward: the test's reward function fails for this response" in out, out[-4000:]
     guard = (
@@ -128,6 +147,14 @@ def test_megatron_r2_with_expert_parallel_2_drifts_stops_on_a_failed_reward_and_
     on disk right after its checkpoint of step 2 (that checkpoint, the tracker naming step 2, the log's lines of
     steps 1 and 2): one Megatron run fewer than a separate 2-step run, and the same files such a run leaves (the FSDP
     tests in test_cpu_resume.py stop real runs with SIGTERM and SIGKILL).
+
+    The layout: a relaunch on one process with expert parallel 1 is refused before Ray from step 2's checkpoint
+    (verl's default ``dp_reshardable``, which megatron-core reshards in data parallel only). The relaunch on the saved
+    layout turns ``+respo_verl=fully_reshardable`` on (with ``trainer.save_freq=1``: both per-attempt or layout keys,
+    the same run) and saves step 3 ``fully_reshardable``, megatron-core's gather on gloo over the dense parameters'
+    data-parallel group; expert parallel 1 is refused from that one too, because megatron-core 0.16.1 keeps the
+    experts' optimizer apart only at EP > 1 (megatron-core's load of it stops with ``KeyError: 'optimizer'``). A
+    layout change that resumes needs more than two processes here (EP 4 -> 2, or a change of data parallel at EP 2).
 
     The non-finite stop: in the relaunch's step 4 the registered loss receives NaN log-probabilities
     (tests/support/cpu_modules/inject_nonfinite.py), refuses them, and the run stops with one line naming the step and
@@ -177,7 +204,12 @@ def test_megatron_r2_with_expert_parallel_2_drifts_stops_on_a_failed_reward_and_
         *cpu_runs.extra_modules("inject_nonfinite", preset=(CPU_MODULE, PLUGIN_MODULE)),
         cpu_runs.after_steps("INJECT_NONFINITE_AFTER", run, FAILING_STEP - 1),
     )
-    out, lines = _launch(run, *nonfinite, stop=NONFINITE_STOP)
+    # Before it, a relaunch on expert parallel 1 from step 2's dp_reshardable checkpoint: refused before Ray.
+    refused = _refusal_on_expert_parallel_1(run)
+    assert f"layout changed since {run / 'ckpt' / 'global_step_2'}: expert_model_parallel_size 2 -> 1, " in refused
+    assert f"the optimizer was saved {DP_RESHARDABLE}, which megatron-core reshards in data parallel only" in refused
+    # The relaunch saves step 3 fully_reshardable (verl reads step 2's format from the checkpoint when it loads).
+    out, lines = _launch(run, *nonfinite, FULLY_RESHARDABLE_SWITCH, "trainer.save_freq=1", stop=NONFINITE_STOP)
     assert "Resuming from" in out and "global_step_2" in out, out[-5000:]
     # The model comes back through the bridge's HF export (verl's choice with mbridge), or as its dist checkpoint.
     assert "Loaded HF model checkpoint" in out or "Loaded sharded model checkpoint" in out, out[-5000:]
@@ -198,3 +230,33 @@ def test_megatron_r2_with_expert_parallel_2_drifts_stops_on_a_failed_reward_and_
         assert keys == {k for k in got if not any(part in k for part in _UNTIMED)}, step
         differing = {k: (got[k], want[k]) for k in sorted(keys) if got[k] != want[k]}
         assert not differing, (step, differing)
+
+    # The relaunch, with the switch on the saved layout, saved step 3 fully_reshardable: its marker and megatron-core's
+    # metadata (what verl reads back when it loads) say so. Expert parallel 1 is refused from it as well: megatron-core
+    # keeps the experts' optimizer apart only at EP > 1.
+    step_3 = run / "ckpt" / "global_step_3"
+    assert (run / "ckpt" / TRACKER).read_text().strip() == "3"
+    saved_layout = json.loads((step_3 / MARKER).read_text())["layout"]
+    assert (saved_layout["optimizer_format"], saved_layout["expert_model_parallel_size"]) == (FULLY_RESHARDABLE, 2)
+    assert _saved_format(step_3 / "actor") == FULLY_RESHARDABLE
+    refused = _refusal_on_expert_parallel_1(run)
+    assert f"layout changed since {step_3}: expert_model_parallel_size 2 -> 1, " in refused
+    assert f"saved {FULLY_RESHARDABLE}, but megatron-core 0.16.1 gives the experts an optimizer of their own" in refused
+
+
+def _refusal_on_expert_parallel_1(run) -> str:
+    """The line that refuses a relaunch of the run in ``run`` on one process with expert parallel 1: the check the
+    driver makes on its composed job before Ray starts (respo_verl.run.launch.check_resume)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(KIT_ENV, str(kit_root()))  # the model path of the fingerprint, as the driver's environment has it
+        with pytest.raises(CheckpointError) as refused:
+            plan_resume(compose_job("respo", _job(run, layout=EXPERT_PARALLEL_1)))
+    return str(refused.value)
+
+
+def _saved_format(actor) -> str:
+    """The optimizer format a Megatron checkpoint's own metadata names (what verl's load reads)."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_content_metadata(checkpoint_dir=str(actor / "optimizer" / "dist_ckpt"))
+    return metadata["distrib_optim_sharding_type"]
