@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.local_slurm import start_or_skip
+from support.local_slurm import start_or_skip, time_limit_past_notice
 from support.standin_sweep import STANDIN_SWEEP
 
 from respo_verl.tools.runs.logs import read_log
@@ -26,6 +26,8 @@ from respo_verl.tools.runs.logs import read_log
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
+# the sweep submits the template, whose pre-emption notice comes a fixed lead before the time limit
+TIME_LIMIT = time_limit_past_notice(ROOT / "scripts/launch/slurm/respo_verl.sbatch")
 RUNS = ("cpu-respo-n2-s0", "cpu-respo-n2-s1", "cpu-respo-n2-s2")
 STEPS = 2
 
@@ -41,7 +43,7 @@ def _sweep(slurm, out: Path, seeds: str = "0,1,2", *overrides: str, **popen) -> 
     cmd = [
         sys.executable, STANDIN_SWEEP, "--out", str(out), "--model", "cpu", "--algos", "respo", "--reuse", "2",
         "--seeds", seeds, "--mini-batch", "2", "--optimizer-steps", str(2 * STEPS), "--no-compose",
-        "--slurm", "--max-running", "1", "--sbatch", "--nodes=1 --gpus-per-node=1 --time=5",
+        "--slurm", "--max-running", "1", "--sbatch", f"--nodes=1 --gpus-per-node=1 {TIME_LIMIT}",
         "--", "+standin.step_s=0.2", *overrides,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT")}
