@@ -29,7 +29,7 @@ def test_the_package_defines_the_patches_the_index_lists():
     names = {p.name for p in _every_patch()}
     index = patches.__file__ and __import__("pathlib").Path(respo_verl.__file__).parents[1] / "patches" / "README.md"
     text = index.read_text()
-    assert len(names) == 16, sorted(names)
+    assert len(names) == 17, sorted(names)
     for patch in _every_patch():
         assert patch.name in text, f"patches/README.md does not list {patch.name!r}"
         assert f"{patch.distribution} {patch.tested}" in text, f"patches/README.md lacks the guard of {patch.name!r}"
