@@ -27,6 +27,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from respo_verl.layout.parallel import FSDP, MEGATRON, Layout, LayoutError, layout_from_config
+from respo_verl.layout.rules import reuse_of
 
 MARKER = "respo_verl_run.json"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -169,8 +170,8 @@ def summary(cfg: Any) -> dict[str, Any]:
     """The few keys a person reads to tell two runs apart (N among them)."""
     out = {name: OmegaConf.select(cfg, key) for name, key in SUMMARY_KEYS.items()}
     try:
-        out["N"] = int(out["train_batch_size"]) // int(out["ppo_mini_batch_size"])
-    except (TypeError, ValueError, ZeroDivisionError):
+        out["N"] = reuse_of(out["train_batch_size"], out["ppo_mini_batch_size"])
+    except (TypeError, ValueError):  # a summary of any configuration: N where it is one
         out["N"] = None
     return out
 

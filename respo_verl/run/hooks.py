@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from respo_verl.patches import Patch
-from respo_verl.run.roles import TIMED_PHASES  # noqa: F401 (the trainer reads it from here)
 
 TIMED_MODULES = ("verl.trainer.ppo.v1.trainer_base", "verl.trainer.ppo.v1.trainer_sync")
 TIMERS_PATCH_NAME = "respo-verl trainer's phases from verl's step timers"

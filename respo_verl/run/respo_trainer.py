@@ -31,20 +31,20 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from respo_verl.patches import Patch, verl_0_9_1
 from respo_verl.run import checkpoint
 from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, StepGuards, failed_sample_metrics
-from respo_verl.run.hooks import TIMED_PHASES, in_prompt_order, phase_timers, trainer_hooks
+from respo_verl.run.hooks import in_prompt_order, phase_timers, trainer_hooks
 from respo_verl.run.jobcheck import Job
 from respo_verl.run.liveness import SampleWait, await_created, watch_replay_buffer, watched_actors
 from respo_verl.run.liveness import waits_on as count_actors
 from respo_verl.run.nodes import record_placement
-from respo_verl.run.stops import (
+from respo_verl.run.roles import (
     CRITIC_WORKER,
     GENERATION_ACTORS,
     ROLLOUT_SERVER,
+    TIMED_PHASES,
     UPDATE_WORKER,
-    NonFinite,
-    RunStopped,
-    stop_for_error,
+    VALIDATION,
 )
+from respo_verl.run.stops import NonFinite, RunStopped, stop_for_error
 from respo_verl.run.watchdog import STOP, PhaseBoard, Records, setup_phase
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class RespoTrainer(PPOTrainerSync):
         self._setup_stage(AGENT_LOOP_STAGE)
 
     def on_validate_begin(self):
-        self._board.enter(self.global_steps, "validation", count_actors(self, *GENERATION_ACTORS))
+        self._board.enter(self.global_steps, VALIDATION, count_actors(self, *GENERATION_ACTORS))
         super().on_validate_begin()
 
     def on_validate_end(self):

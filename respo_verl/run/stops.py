@@ -11,15 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# the roles' names stay importable from here for the modules that name them with a stop's kinds
-from respo_verl.run.roles import (  # noqa: F401
-    ACTOR_ROLES,
-    CRITIC_WORKER,
-    GENERATION_ACTORS,
-    ROLLOUT_SERVER,
-    UPDATE_WORKER,
-    actor_role,
-)
+from respo_verl.run.roles import actor_role
 
 EXIT_ERROR = 1  # an error the run does not know: the one line, then its traceback
 EXIT_REFUSED = 2  # the job was refused before it started (a check of the job, the data, the machine, a node)

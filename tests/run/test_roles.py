@@ -36,8 +36,7 @@ def _source(*packages: str) -> str:
 
 
 def test_the_modules_that_name_roles_read_the_one_table():
-    assert stops.ACTOR_ROLES is roles.ACTOR_ROLES and stops.GENERATION_ACTORS is roles.GENERATION_ACTORS
-    assert hooks.TIMED_PHASES is TIMED_PHASES and watchdog.SAMPLE_PHASES is SAMPLE_PHASES
+    assert stops.actor_role is roles.actor_role and watchdog.SAMPLE_PHASES is SAMPLE_PHASES
     assert nodes._RANK is ROLE[UPDATE_WORKER].actor_name and nodes._SERVER is ROLE[roles.ROLLOUT_SERVER].actor_name
     assert SAMPLE_PHASES == (TIMED_PHASES["gen"][0], VALIDATION)
     assert all(set(waits_on) <= set(ROLE) for _, waits_on in TIMED_PHASES.values())

@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from respo_verl.layout.models import ModelShape
 from respo_verl.layout.parallel import Layout
+from respo_verl.layout.rules import reuse_of
 from respo_verl.run.checkpoint import DP_RESHARDABLE, FULLY_RESHARDABLE, optimizer_format
 from respo_verl.tools.plan.memory import (
     BF16_BYTES,
@@ -179,7 +180,7 @@ def checkpoint_plan(model: ModelShape, lay: Layout, cfg: DictConfig) -> Checkpoi
     """The checkpoints of the composed job ``cfg``."""
     actor = cfg.actor_rollout_ref.actor
     every = int(cfg.trainer.save_freq)
-    reuse = int(cfg.data.train_batch_size) // int(actor.ppo_mini_batch_size)
+    reuse = reuse_of(cfg.data.train_batch_size, actor.ppo_mini_batch_size)
     keep = cfg.trainer.get("max_actor_ckpt_to_keep")
     contents = list(OmegaConf.select(actor, "checkpoint.save_contents", default=["model", "optimizer", "extra"]))
     dtype = OmegaConf.select(actor, "fsdp_config.model_dtype", default="fp32") or "fp32"
