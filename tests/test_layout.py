@@ -19,8 +19,10 @@ LAYERS = (
     {"algorithms", "entry_points", "protocol", "core"},  # imports nothing of the package but its own layer
     {"patches"},  # the one patch helper and the patched libraries
     {"routing"},  # route drift, HF and megatron-core replay, the route-drift engine
-    {"layout", "data"},  # a job's parallel layout and the rules it is held to; its data, and their check
-    {"run"},  # a run's lifecycle: composition, checks before Ray, preflight, the trainer, checkpoints, the reaper
+    # a job's parallel layout and the rules it is held to; its data, and their check; its checkpoints' identity, layout
+    # and resume plan
+    {"layout", "data", "checkpoint"},
+    {"run"},  # a run's lifecycle: composition, checks before Ray, preflight, the trainer, stops, the reaper
     {"verl"},  # verl glue: losses, estimator, config, the plugin that registers them (and the run's trainer)
     {"cpu"},  # verl on a CPU machine
     {"tools"},  # plan, sweep, report, runs, demo

@@ -7,7 +7,8 @@
   ``nodes`` (where each role runs, a lost node);
 - while it trains: ``trainer`` (its registration) and ``respo_trainer`` (verl's trainer with the guards, the phase
   record and the stop on request), ``hooks`` (its patches of verl's objects), ``guards``, ``liveness`` (the actors
-  a step waits on), ``watchdog`` (the driver's bounds on each phase), ``checkpoint`` (fingerprints, resume plans);
+  a step waits on), ``watchdog`` (the driver's bounds on each phase), and :mod:`respo_verl.checkpoint`
+  (fingerprints, resume plans: a layer below, for the sweep and the planner too);
 - when it ends: ``stops`` (one line and an exit status), ``reaper`` (no Ray process outlives the driver);
 - ``launch``: the entry point's steps, in order.
 

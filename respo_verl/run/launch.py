@@ -134,9 +134,9 @@ def stop_on_sigterm() -> None:
 
 def check_resume(config: DictConfig) -> None:
     """With the respo-verl trainer, refuse a resume from another run's checkpoint before Ray starts (the trainer
-    checks again when it loads; :func:`respo_verl.run.checkpoint.plan_resume`)."""
+    checks again when it loads; :func:`respo_verl.checkpoint.plan_resume`)."""
     if uses_respo_trainer(config):
-        from respo_verl.run.checkpoint import plan_resume
+        from respo_verl.checkpoint import plan_resume
 
         plan_resume(config)
 

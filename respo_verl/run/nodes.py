@@ -16,8 +16,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from respo_verl.checkpoint import checkpoint_folder
 from respo_verl.patches import ray_private
-from respo_verl.run.checkpoint import checkpoint_folder
 from respo_verl.run.roles import ROLE, ROLLOUT_SERVER, TRAINER, UPDATE_WORKER, actor_role
 from respo_verl.run.stops import ActorDied, RunStopped, causes
 

@@ -10,7 +10,7 @@ verl 0.9.1), public hooks first:
   ``on_validate_end``, ``fit``: the phase record (the set-up's stages too), the hooks on verl's logger and replay
   buffer, the stop request;
 - ``_fetch_one_gen_batch``: the data loader's order of the prompts (:func:`respo_verl.run.hooks.in_prompt_order`);
-- ``_load_checkpoint``: the resume plan (:func:`respo_verl.run.checkpoint.plan_resume`), a stage of the set-up;
+- ``_load_checkpoint``: the resume plan (:func:`respo_verl.checkpoint.plan_resume`), a stage of the set-up;
 - ``_save_checkpoint``: the phase of the save and the checkpoint's marker;
 - ``_compute_metrics``: the run guards on the step's metrics;
 - ``_compute_advantage``: non-finite rewards named with their step.
@@ -28,8 +28,8 @@ from pathlib import Path
 from omegaconf import open_dict
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+from respo_verl import checkpoint
 from respo_verl.patches import Patch, verl_0_9_1
-from respo_verl.run import checkpoint
 from respo_verl.run.guards import EVICTED_GROUPS_KEY, STOPPED_KEY, StepGuards, failed_sample_metrics
 from respo_verl.run.hooks import in_prompt_order, phase_timers, trainer_hooks
 from respo_verl.run.jobcheck import Job

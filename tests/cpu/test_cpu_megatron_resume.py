@@ -18,9 +18,9 @@ import shutil
 import pytest
 from support import cpu_runs
 
+from respo_verl.checkpoint import DP_RESHARDABLE, FULLY_RESHARDABLE, MARKER, TRACKER, CheckpointError, plan_resume
 from respo_verl.cpu.kit.build import KIT_ENV, KitSpec, build_kit, kit_root
 from respo_verl.entry_points import CPU_MODULE, PLUGIN_MODULE
-from respo_verl.run.checkpoint import DP_RESHARDABLE, FULLY_RESHARDABLE, MARKER, TRACKER, CheckpointError, plan_resume
 from respo_verl.run.compose import compose_job
 from respo_verl.run.stops import EXIT_GUARD
 from respo_verl.tools.runs.logs import STOPPED_KEY, read_log
@@ -136,7 +136,7 @@ def test_megatron_r2_with_expert_parallel_2_drifts_stops_on_a_failed_reward_and_
     reward failed. The preset's run guard (max_failed_share 0) stops the run in step 4 with one line and exit 3, and
     the step's line, with the failure counted, is in the file log, marked as the stop (the run guard's one end-to-end
     run: a collapsed policy takes the same path from a step's metrics, ``StepGuards``, unit-tested with the clamp
-    metric in tests/run/test_checkpoint.py).
+    metric in tests/test_checkpoint.py).
 
     The resume: megatron-core's dist checkpointing saves each process's expert shards on CPU (its
     torch.cuda.synchronize and the CUDA RNG tracker's state are handled by the CPU patch); a run stopped after its

@@ -29,8 +29,8 @@ import pytest
 from support import cpu_runs, procs
 from support.trainer_checks import RESPO_KEYS, STALE_LOG_W, assert_trains, assert_weights_synced, log_w
 
+from respo_verl.checkpoint import MARKER, TRACKER
 from respo_verl.cpu.kit.build import KitSpec, build_kit, kit_root
-from respo_verl.run.checkpoint import MARKER, TRACKER
 from respo_verl.run.reaper import REAP_BOUND_S
 from respo_verl.tools.runs.logs import read_log
 

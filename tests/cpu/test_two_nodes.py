@@ -42,7 +42,7 @@ from support import cpu_runs, procs, ray_auth
 from support.ranks import free_port
 from support.trainer_checks import RESPO_KEYS, assert_trains, assert_weights_synced
 
-from respo_verl.run.checkpoint import TRACKER
+from respo_verl.checkpoint import TRACKER
 from respo_verl.run.nodes import MARKER, SharedFolders, unseen
 from respo_verl.run.reaper import reap
 from respo_verl.run.roles import PROCESS_TITLES

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from respo_verl.checkpoint import DP_RESHARDABLE, FULLY_RESHARDABLE, optimizer_format
 from respo_verl.layout.models import ModelShape
 from respo_verl.layout.parallel import Layout
 from respo_verl.layout.rules import reuse_of
-from respo_verl.run.checkpoint import DP_RESHARDABLE, FULLY_RESHARDABLE, optimizer_format
 from respo_verl.tools.plan.memory import (
     BF16_BYTES,
     FSDP_DTYPE_BYTES,

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from respo_verl import algorithms
+from respo_verl.checkpoint import write_atomic
 from respo_verl.routing.mode import REPLAY_MODES
-from respo_verl.run.checkpoint import write_atomic
 from respo_verl.tools.runs.logs import LOG_STEPS
 
 MANIFEST_NAME = "manifest.jsonl"
@@ -102,7 +102,7 @@ class RunRecord:
 def write_manifest(records: list[RunRecord], directory: Path) -> Path:
     """Write ``records`` to ``directory/manifest.jsonl`` (replacing it) and return the path.
 
-    Written through :func:`respo_verl.run.checkpoint.write_atomic`: a reader never sees half of it, and a symbolic link
+    Written through :func:`respo_verl.checkpoint.write_atomic`: a reader never sees half of it, and a symbolic link
     planted under its name is replaced, not written through.
     """
     directory.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from respo_verl import checkpoint
 from respo_verl.algorithms import ALGORITHMS
 from respo_verl.protocol import PAPER_MINI_BATCH, PAPER_OPTIMIZER_STEPS, PAPER_REUSE, PAPER_SEEDS
 from respo_verl.routing.mode import REPLAY_MODES
-from respo_verl.run import checkpoint, resolvers
+from respo_verl.run import resolvers
 from respo_verl.run.compose import ComposeError, compose_job
 from respo_verl.tools.runs.manifest import RunRecord, check_name
 
@@ -254,7 +255,7 @@ def engine_of_overrides(overrides: Sequence[str]) -> str | None:
 
 
 def config_hash(job) -> str:
-    """A run's ``config_hash`` in the manifest: :func:`respo_verl.run.checkpoint.config_hash` of the job without the
+    """A run's ``config_hash`` in the manifest: :func:`respo_verl.checkpoint.config_hash` of the job without the
     per-run keys (seeds, run name, checkpoint folder) and with :data:`HASHED_LOGGERS` as its loggers, unresolved as
     manifests have always held it."""
     from omegaconf import OmegaConf

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-MARKER = "respo_verl_run.json"  # respo_verl.run.checkpoint.MARKER
-TRACKER = "latest_checkpointed_iteration.txt"  # respo_verl.run.checkpoint.TRACKER
+MARKER = "respo_verl_run.json"  # respo_verl.checkpoint.MARKER
+TRACKER = "latest_checkpointed_iteration.txt"  # respo_verl.checkpoint.TRACKER
 FAILED_STATUS = 3
 PREFIX = "standin:"
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 from support.standin_sweep import STANDIN_SWEEP
 
-from respo_verl.run.checkpoint import MARKER
+from respo_verl.checkpoint import MARKER
 from respo_verl.tools.runs.logs import read_log
 from respo_verl.tools.runs.manifest import read_manifest
 

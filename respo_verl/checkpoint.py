@@ -8,7 +8,7 @@ starts, :func:`plan_resume` decides what the run resumes from
 checkpoint was saved on (:func:`checkpoint_layout`); the layout is not part of the fingerprint but compared apart
 (:func:`layout_verdict`), so that a run relaunched on another number of nodes resumes where megatron-core can
 reshard its checkpoint and is refused, naming the ways out, where it cannot. Imports omegaconf and
-:mod:`respo_verl.layout.parallel` only (it runs in the driver before anything heavy).
+:mod:`respo_verl.layout` only (it runs in the driver before anything heavy).
 """
 
 from __future__ import annotations

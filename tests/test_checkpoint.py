@@ -12,8 +12,9 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from respo_verl.run import checkpoint, resolvers
-from respo_verl.run.checkpoint import CheckpointError, identity, plan_resume, write_marker_info
+from respo_verl import checkpoint
+from respo_verl.checkpoint import CheckpointError, identity, plan_resume, write_marker_info
+from respo_verl.run import resolvers
 from respo_verl.run.guards import (
     FAILED_SAMPLES_KEY,
     FAILED_SHARE_KEY,
@@ -706,6 +707,6 @@ def test_bad_guard_settings_are_refused(node, match):
 def test_the_shipped_guard_defaults_are_valid():
     from pathlib import Path
 
-    node = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs/respo_verl/run_guard.yaml")
+    node = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs/respo_verl/run_guard.yaml")
     assert node.trainer.v1.trainer_mode == "respo_sync"
     assert GuardConfig.from_config(node.run_guard) == GuardConfig()
