@@ -25,30 +25,31 @@ from respo_verl.cpu.preset import check_cpu_job, is_cpu_job, prepare_driver
 from respo_verl.data.check import DataCheckError
 from respo_verl.entry_points import CONFIG_PACKAGE, PRIMARY_CONFIG
 from respo_verl.run import launch
-from respo_verl.run.jobcheck import MachineCheckError, ModelCheckError, check_job
+from respo_verl.run.jobcheck import Job, MachineCheckError, ModelCheckError, check_job
 from respo_verl.run.stops import EXIT_REFUSED
 
 ENTRY = "respo"  # respo_verl.run.compose.ENTRY_CONFIGS key of this entry point
 
 
-def check(config: DictConfig) -> None:
+def check(config: DictConfig) -> Job:
     """Every check of a job that needs neither verl nor Ray (ValueError with one line naming the key): the job's own
     (:func:`respo_verl.run.jobcheck.check_job`, the layout rules included), the CPU preset's, the trainer's and the
-    resume's."""
-    check_job(config)
+    resume's. Returns the job's view, made once here."""
+    job = check_job(config)
     check_cpu_job(config)
     launch.check_trainer(config)
     launch.check_resume(config)
+    return job
 
 
-def run(config: DictConfig) -> None:
-    """Run a job that passed :func:`check`: set up the CPU preset's driver for a CPU job, then
+def run(config: DictConfig, job: Job) -> None:
+    """Run a job that passed :func:`check` (``job``: its view): set up the CPU preset's driver for a CPU job, then
     :func:`respo_verl.run.launch.train`, which checks the loss name against verl's registry before Ray starts."""
     from respo_verl.verl.config import require_policy_loss
 
     if is_cpu_job(config):
         prepare_driver(config)  # before verl's trainer modules ask for the platform
-    launch.train(config, check_loss=require_policy_loss)
+    launch.train(config, job, check_loss=require_policy_loss)
 
 
 def _missing_group_option(overrides: list[str]) -> tuple[str, str, list[str]] | None:
@@ -110,9 +111,9 @@ def _precheck(argv: list[str]) -> None:
     _refuse_unless_checked(config)
 
 
-def _refuse_unless_checked(config: DictConfig) -> None:
+def _refuse_unless_checked(config: DictConfig) -> Job:
     try:
-        check(config)
+        return check(config)
     except ValueError as exc:  # a job that cannot run: one line, exit 2, before Ray starts
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
@@ -121,9 +122,9 @@ def _refuse_unless_checked(config: DictConfig) -> None:
 @hydra.main(config_path=f"pkg://{CONFIG_PACKAGE}", config_name=PRIMARY_CONFIG, version_base=None)
 def _hydra_main(config: DictConfig) -> None:
     """Hydra's task: :func:`check` the job Hydra composed, once, then :func:`run` it."""
-    _refuse_unless_checked(config)
+    job = _refuse_unless_checked(config)
     try:
-        run(config)
+        run(config, job)
     except (DataCheckError, MachineCheckError, ModelCheckError) as exc:  # raised before Ray starts
         print(f"respo_verl.main_ppo: {exc}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)

@@ -154,11 +154,11 @@ def check_trainer(config: DictConfig) -> None:
         )
 
 
-def train(config: DictConfig, check_loss=None) -> None:
+def train(config: DictConfig, job: Job, check_loss=None) -> None:
     """Check the machine, the model and the data, validate ``config`` as verl's main_ppo does, then train with verl's
-    V1 or legacy TaskRunner, its hooks reading the job's view (:class:`respo_verl.run.jobcheck.Job`, made once the
-    config is validated). ``check_loss``, when given, is called with the job's ``policy_loss.loss_mode`` once verl
-    is imported, before the validation (the entry point passes the glue's
+    V1 or legacy TaskRunner, its hooks reading ``job``, the view the job's check made of it
+    (:class:`respo_verl.run.jobcheck.Job`). ``check_loss``, when given, is called with the job's
+    ``policy_loss.loss_mode`` once verl is imported, before the validation (the entry point passes the glue's
     :func:`respo_verl.verl.config.require_policy_loss`). Raises the checks' errors (DataCheckError,
     MachineCheckError, ModelCheckError) before Ray starts. A run that stops prints one line naming the cause
     (:func:`respo_verl.run.stops.stop_of`) on stderr, and nothing of Ray's after it (:func:`end_ray_echo`), and exits
@@ -181,7 +181,7 @@ def train(config: DictConfig, check_loss=None) -> None:
         runner_cls = TaskRunnerV1
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner as runner_cls
-    hooked_runner_cls = with_driver_hooks(runner_cls, Job.of(config))
+    hooked_runner_cls = with_driver_hooks(runner_cls, job)
     global _WATCHDOG
     try:
         run_ppo(config, task_runner_class=hooked_runner_cls)

@@ -321,7 +321,7 @@ def test_the_entry_point_checks_a_job_once_and_a_run_is_composed_once(tmp_path, 
 
     monkeypatch.setattr(main_ppo, "check", counted("check", main_ppo.check))
     monkeypatch.setattr(compose, "compose_job", counted("compose_job", compose.compose_job))
-    monkeypatch.setattr(main_ppo, "run", counted("run", lambda config: None))
+    monkeypatch.setattr(main_ppo, "run", counted("run", lambda config, job: None))
     proc = run_entry(["algorithm=respo", "+device=cpu", *cfg], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if cfg:  # Hydra prints the job and calls no task: the job is composed and checked before it
