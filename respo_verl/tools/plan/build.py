@@ -38,7 +38,7 @@ from respo_verl.tools.plan.memory import megatron_rank_figures
 
 # Default parallelism of the build: the machine's cores (each rank is one process of ~0.7 GiB).
 DEFAULT_WORKERS = max(1, min(2, os.cpu_count() or 1))
-# A rank that takes longer than this is stuck, not slow (a rank builds in 10-40 s on a shared 2-core machine).
+# A rank that takes longer than this is stuck, not slow (docs/internals.md, "The planner's start-up time").
 RANK_TIMEOUT_S = 600
 
 # The stage of a failure that is bad input (the model config); a failure at any other stage of the engine's
