@@ -435,6 +435,7 @@ def lost_and_resumed(cluster):
     while again.poll() is None and log.read_text().count('"event":"resume"') == resumes:
         assert time.monotonic() < deadline + 3 * TIMEOUT_S, (cluster.root / "sweep-2.txt").read_text()[-3000:]
         time.sleep(0.5)
+    assert again.poll() is None, (cluster.root / "sweep-2.txt").read_text()[-3000:]  # the sweep waits on its run
     driver = _driver(cluster)
     result["driver_on_worker"] = cluster.worker.pid in {p.pid for p in driver.parents()}
     driver.send_signal(signal.SIGTERM)

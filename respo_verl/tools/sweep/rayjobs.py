@@ -36,6 +36,7 @@ POLL_S = 5.0
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 120.0
 AGENT_RETRY_S = 2.0
+NODES_LIMIT = 10_000  # the nodes, dead ones included, listed at most (the most Ray's state API allows)
 
 
 def _status(job) -> str:
@@ -70,11 +71,13 @@ def cluster_gpus(client) -> int:
     from ray.util.state import list_nodes
 
     try:
-        nodes = list_nodes(address=client.get_address(), filters=[("state", "=", "ALIVE")], detail=True)
+        # every node, filtered here: Ray's state API takes the nodes a server-side filter leaves out (a cluster's dead
+        # ones) for output it lost, and raises
+        nodes = list_nodes(address=client.get_address(), detail=True, limit=NODES_LIMIT)
     except Exception as exc:  # the state API's RayStateApiException, a dashboard that went away
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ClusterError(f"cannot read the GPUs of the Ray cluster at {client.get_address()}: {cause}") from None
-    return int(sum((node.resources_total or {}).get("GPU", 0) for node in nodes))
+    return int(sum((node.resources_total or {}).get("GPU", 0) for node in nodes if node.state == "ALIVE"))
 
 
 def gpus_taken(client) -> int:
